@@ -1,0 +1,88 @@
+"""Experiment configs: a Python file in configs/ defines `config()` returning a frozen dataclass tree;
+`--set a.b=value` overrides are parsed by the type of the field they replace, with errors that name the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> Any:
+  path = Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f"config file {path} does not exist")
+  spec = importlib.util.spec_from_file_location(f"dreamjax_config_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "config"):
+    raise ValueError(f"{path}: defines no config() function")
+  cfg = module.config()
+  for item in overrides:
+    cfg = apply_override(cfg, item, source=str(path))
+  return cfg
+
+
+def apply_override(cfg: Any, item: str, source: str = "config") -> Any:
+  if "=" not in item:
+    raise ValueError(f"override {item!r} is not of the form key=value")
+  key, raw = item.split("=", 1)
+  return _replace(cfg, key.strip().split("."), raw.strip(), key.strip(), source)
+
+
+def _replace(node: Any, path: list[str], raw: str, key: str, source: str) -> Any:
+  if not dataclasses.is_dataclass(node):
+    raise ValueError(f"{source}: cannot override {key!r}: {'.'.join(path)} is not inside a config section")
+  fields = {f.name: f for f in dataclasses.fields(node)}
+  name = path[0]
+  if name not in fields:
+    raise ValueError(f"{source}: unknown field {key!r} (known here: {', '.join(sorted(fields))})")
+  current = getattr(node, name)
+  if len(path) > 1:
+    return dataclasses.replace(node, **{name: _replace(current, path[1:], raw, key, source)})
+  hint = typing.get_type_hints(type(node))[name]
+  try:
+    value = _parse(raw, hint)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{source}: field {key!r} expects {_name(hint)}, got {raw!r} ({e})") from None
+  return dataclasses.replace(node, **{name: value})
+
+
+def _name(hint) -> str:
+  return getattr(hint, "__name__", str(hint))
+
+
+def _parse(raw: str, hint) -> Any:
+  origin = typing.get_origin(hint)
+  if origin in (typing.Union, types.UnionType):
+    options = typing.get_args(hint)
+    if raw.lower() == "none" and type(None) in options:
+      return None
+    errors = []
+    for option in options:
+      if option is type(None):
+        continue
+      try:
+        return _parse(raw, option)
+      except (ValueError, TypeError) as e:
+        errors.append(str(e))
+    raise ValueError("; ".join(errors))
+  if origin is tuple:
+    items = [s.strip() for s in raw.strip("()[]").split(",") if s.strip()]
+    args = typing.get_args(hint)
+    element = args[0] if args else str
+    return tuple(_parse(s, element) for s in items)
+  if hint is bool:
+    if raw.lower() in ("1", "true", "yes"):
+      return True
+    if raw.lower() in ("0", "false", "no"):
+      return False
+    raise ValueError("not a boolean")
+  if hint in (int, float, str):
+    return hint(raw)
+  if dataclasses.is_dataclass(hint):
+    raise TypeError("a whole section cannot be set at once; set its fields")
+  raise TypeError(f"unsupported field type {hint}")

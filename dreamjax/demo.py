@@ -1,0 +1,109 @@
+"""The demo job until the DreamGym loop lands: a chat-formatted batch sampled from a model loaded from an HF folder.
+
+Without a checkpoint it builds one: a byte-level BPE trained on a small built-in corpus and a tiny random Qwen2 model,
+exported as an HF folder and loaded back, so it runs the same path a real Llama/Qwen checkpoint takes. Random
+weights produce random text; the point is the pipeline and its speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from dreamjax.models import ModelConfig, init_params, load_hf_checkpoint, save_hf_checkpoint, tiny
+from dreamjax.parallel import SAMPLE_RULES, MeshConfig, make_mesh
+from dreamjax.sampling import Sampler, sampling_params
+from dreamjax.text import Kind, SegmentBuilder, load_tokenizer, train_bpe_tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+  checkpoint: str = ""  # an HF checkpoint folder (config.json, safetensors, tokenizer); empty: build a tiny one
+  out_dir: str = "runs/demo"
+  model: ModelConfig = tiny("qwen2", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4,
+                            num_heads=4, num_kv_heads=2, head_dim=32)  # vocab is replaced by the tokenizer's
+  batch: int = 8
+  max_new_tokens: int = 64
+  temperature: float = 1.0
+  top_p: float = 0.9
+  seed: int = 0
+  mesh: MeshConfig = MeshConfig()
+
+
+def _corpus(n: int, seed: int) -> list[str]:
+  """Household-task sentences in the style of the text environments, enough to train a small BPE."""
+  rng = np.random.RandomState(seed)
+  rooms = ["kitchen", "bathroom", "bedroom", "living room", "garden", "hallway"]
+  things = ["apple", "mug", "knife", "towel", "book", "lamp", "key", "soap", "plate", "pan", "sofa", "fridge"]
+  verbs = ["take", "put", "open", "close", "heat", "cool", "clean", "examine", "go to", "use"]
+  lines = []
+  for _ in range(n):
+    room, a, b = rng.choice(rooms), rng.choice(things), rng.choice(things)
+    lines.append(f"You are in the {room}. You see a {a} and a {b}. Your task is to {rng.choice(verbs)} the {a}.")
+    lines.append(f"<think>The {a} is here, so I should {rng.choice(verbs)} it.</think><action>{rng.choice(verbs)} "
+                 f"{a}</action>")
+  return lines
+
+
+def _build_tiny_checkpoint(cfg: DemoConfig, folder: Path) -> None:
+  tok_dir = folder / "tokenizer"
+  tokenizer = train_bpe_tokenizer(_corpus(2000, cfg.seed), tok_dir, vocab_size=cfg.model.vocab_size)
+  model_cfg = cfg.model.replace(vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_ids[0])
+  params = init_params(model_cfg, jax.random.key(cfg.seed))
+  save_hf_checkpoint(params, model_cfg, folder, tokenizer_folder=tok_dir)
+
+
+def run(cfg: DemoConfig) -> dict:
+  out = Path(cfg.out_dir)
+  folder = Path(cfg.checkpoint) if cfg.checkpoint else out / "tiny-checkpoint"
+  if not cfg.checkpoint and not (folder / "config.json").is_file():
+    print(f"building a tiny random checkpoint in {folder}")
+    _build_tiny_checkpoint(cfg, folder)
+  mesh = make_mesh(cfg.mesh)
+  model_cfg, params = load_hf_checkpoint(folder, mesh=mesh, rules=SAMPLE_RULES)
+  tokenizer = load_tokenizer(folder)
+  prompts = []
+  for task in _corpus(cfg.batch, cfg.seed + 1)[::2]:
+    conv = SegmentBuilder(tokenizer).append(Kind.SYSTEM, "You are a household agent. Answer with "
+                                            "<think>...</think><action>...</action>.").append(Kind.TASK, task)
+    prompts.append(conv.prompt())
+  width = max(len(p) for p in prompts)
+  tokens = np.full((len(prompts), width), tokenizer.pad_id, np.int32)
+  mask = np.zeros(tokens.shape, bool)
+  for i, p in enumerate(prompts):  # left padding
+    tokens[i, width - len(p):], mask[i, width - len(p):] = p, True
+  sampler = Sampler(model_cfg, cfg.max_new_tokens, pad_id=tokenizer.pad_id, mesh=mesh, rules=SAMPLE_RULES)
+  sp = sampling_params(len(prompts), cfg.max_new_tokens, cfg.temperature, cfg.top_p,
+                       stop=[[i] for i in tokenizer.eos_ids])
+  key = jax.random.key(cfg.seed)
+  start = time.perf_counter()
+  sampler(params, tokens, mask, key, sp).tokens.block_until_ready()
+  first = time.perf_counter() - start
+  # Forced full length for the timing run, so tokens/s does not depend on where random weights happen to stop.
+  timed_sp = sp.replace(stop=np.full(sp.stop.shape, -1, np.int32))
+  start = time.perf_counter()
+  result = sampler(params, tokens, mask, key, timed_sp)
+  result.tokens.block_until_ready()
+  seconds = time.perf_counter() - start
+  generated = int(np.sum(result.lengths))
+  sample = sampler(params, tokens, mask, key, sp)
+  texts = [tokenizer.decode(sample.tokens[i, : sample.lengths[i]]) for i in range(len(prompts))]
+  report = {
+      "checkpoint": str(folder), "devices": len(jax.devices()), "batch": len(prompts), "prompt_tokens": width,
+      "new_tokens_per_row": cfg.max_new_tokens, "tokens_per_s": generated / seconds, "first_call_s": first,
+      "compilations": sampler.compilations(), "samples": texts,
+  }
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "demo.json").write_text(json.dumps(report, indent=2))
+  print(f"model: {model_cfg.family}, {model_cfg.num_layers} layers, hidden {model_cfg.hidden_size}, "
+        f"vocab {model_cfg.vocab_size}, from {folder}")
+  for i, text in enumerate(texts[:3]):
+    print(f"sample {i}: {text[:160]!r}")
+  print(f"batch {len(prompts)} x {cfg.max_new_tokens} new tokens: {report['tokens_per_s']:.0f} tokens/s "
+        f"(first call incl. compile {first:.1f} s); report in {out / 'demo.json'}")
+  return report

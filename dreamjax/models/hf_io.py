@@ -1,0 +1,227 @@
+"""HF safetensors checkpoints <-> our Flax parameters.
+
+Loading reads each tensor lazily from the (possibly multi-file) safetensors checkpoint and builds every parameter with
+`jax.make_array_from_callback`, so each device receives only its own shard, read straight from the memory-mapped file:
+the whole model is never assembled on one host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from dreamjax.models.config import ModelConfig, load_hf_config, to_hf_config
+from dreamjax.models.params import abstract_params
+from dreamjax.parallel.sharding import TRAIN_RULES, Rules, tree_shardings
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+_VALUE_HEAD_FILE = "value_head.safetensors"  # not an HF tensor: kept beside the checkpoint so round trips keep it
+
+
+@dataclasses.dataclass(frozen=True)
+class _Map:
+  """How one HF tensor becomes one of our parameters: reshape to `view`, then transpose by `perm`."""
+
+  hf_name: str  # with "{i}" for the layer index when the parameter is stacked over layers
+  view: tuple[int, ...]
+  perm: tuple[int, ...]
+  hf_shape: tuple[int, ...]
+
+
+def _maps(cfg: ModelConfig) -> dict[str, _Map]:
+  e, m, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+  h, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  lay = "model.layers.{i}."
+  out = {
+      "embed": _Map("model.embed_tokens.weight", (v, e), (0, 1), (v, e)),
+      "final_norm/scale": _Map("model.norm.weight", (e,), (0,), (e,)),
+      "layers/attn_norm/scale": _Map(lay + "input_layernorm.weight", (e,), (0,), (e,)),
+      "layers/mlp_norm/scale": _Map(lay + "post_attention_layernorm.weight", (e,), (0,), (e,)),
+      "layers/attn/q": _Map(lay + "self_attn.q_proj.weight", (h, d, e), (2, 0, 1), (h * d, e)),
+      "layers/attn/k": _Map(lay + "self_attn.k_proj.weight", (k, d, e), (2, 0, 1), (k * d, e)),
+      "layers/attn/v": _Map(lay + "self_attn.v_proj.weight", (k, d, e), (2, 0, 1), (k * d, e)),
+      "layers/attn/o": _Map(lay + "self_attn.o_proj.weight", (e, h, d), (1, 2, 0), (e, h * d)),
+      "layers/mlp/gate": _Map(lay + "mlp.gate_proj.weight", (m, e), (1, 0), (m, e)),
+      "layers/mlp/up": _Map(lay + "mlp.up_proj.weight", (m, e), (1, 0), (m, e)),
+      "layers/mlp/down": _Map(lay + "mlp.down_proj.weight", (e, m), (1, 0), (e, m)),
+  }
+  if cfg.qkv_bias:
+    for name, heads in (("q", h), ("k", k), ("v", k)):
+      out[f"layers/attn/{name}_bias"] = _Map(lay + f"self_attn.{name}_proj.bias", (heads, d), (0, 1), (heads * d,))
+  if cfg.o_bias:
+    out["layers/attn/o_bias"] = _Map(lay + "self_attn.o_proj.bias", (e,), (0,), (e,))
+  if cfg.mlp_bias:
+    for name, size in (("gate", m), ("up", m), ("down", e)):
+      out[f"layers/mlp/{name}_bias"] = _Map(lay + f"mlp.{name}_proj.bias", (size,), (0,), (size,))
+  if not cfg.tie_word_embeddings:
+    out["lm_head"] = _Map("lm_head.weight", (v, e), (1, 0), (v, e))
+  return out
+
+
+def _groups(hf_shape, view) -> list[list[int]]:
+  """Which view dims make up each HF dim (view only splits HF dims, never merges across them)."""
+  groups, i = [], 0
+  for size in hf_shape:
+    group, prod = [], 1
+    while prod < size or not group:
+      group.append(i)
+      prod *= view[i]
+      i += 1
+    groups.append(group)
+  return groups
+
+
+def _is_full(s: slice, size: int) -> bool:
+  return s.indices(size) == (0, size, 1)
+
+
+def _read(tensor_slice, mp: _Map, index: tuple[slice, ...]) -> np.ndarray:
+  """Our-layout block `index` of one HF tensor, reading from the file only the rows/columns it covers."""
+  view_index = [slice(None)] * len(mp.view)
+  for ours, theirs in enumerate(mp.perm):
+    view_index[theirs] = index[ours]
+  hf_index, view_shape, rest = [], [], list(view_index)
+  for dims in _groups(mp.hf_shape, mp.view):
+    inner = math.prod(mp.view[j] for j in dims[1:])
+    start, stop, _ = view_index[dims[0]].indices(mp.view[dims[0]])
+    if all(_is_full(view_index[j], mp.view[j]) for j in dims[1:]):  # a contiguous range of the HF dim
+      hf_index.append(slice(start * inner, stop * inner))
+      rest[dims[0]] = slice(None)
+      lead = stop - start
+    else:
+      hf_index.append(slice(None))
+      lead = mp.view[dims[0]]
+    view_shape += [lead] + [mp.view[j] for j in dims[1:]]
+  block = np.asarray(tensor_slice[tuple(hf_index)]).reshape(view_shape)
+  return block[tuple(rest)].transpose(mp.perm)
+
+
+def _tensor_files(folder: Path) -> dict[str, Path]:
+  index = folder / "model.safetensors.index.json"
+  if index.is_file():
+    weight_map = json.loads(index.read_text())["weight_map"]
+    return {name: folder / file for name, file in weight_map.items()}
+  files = sorted(folder.glob("*.safetensors"))
+  files = [f for f in files if f.name != _VALUE_HEAD_FILE]
+  if not files:
+    raise FileNotFoundError(f"{folder}: no *.safetensors files (and no model.safetensors.index.json)")
+  out = {}
+  for f in files:
+    with safe_open(f, "np") as handle:
+      out.update({name: f for name in handle.keys()})
+  return out
+
+
+def load_hf_checkpoint(
+    folder: str | Path, mesh: jax.sharding.Mesh | None = None, rules: Rules = TRAIN_RULES, **config_overrides
+) -> tuple[ModelConfig, dict]:
+  """Reads config.json and the safetensors weights; returns (config, params) placed with the mesh's shardings."""
+  folder = Path(folder)
+  cfg = load_hf_config(folder, **config_overrides)
+  files = _tensor_files(folder)
+  boxed = abstract_params(cfg)
+  if mesh is None:
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+  shardings = tree_shardings(boxed, mesh, rules)
+  shapes = nn.unbox(boxed)
+  maps = _maps(cfg)
+  handles: dict[Path, object] = {}
+
+  def tensor(name):
+    if name not in files:
+      raise ValueError(f"{folder}: checkpoint has no tensor {name!r} (needed for a {cfg.family} model)")
+    path = files[name]
+    if path not in handles:
+      handles[path] = safe_open(path, "np")
+    return handles[path].get_slice(name)
+
+  def build(path, shape_dtype, sharding):
+    key = "/".join(p.key for p in path)
+    dtype = shape_dtype.dtype
+    if key == "value_head":
+      return _load_value_head(folder, shape_dtype, sharding)
+    mp = maps[key]
+    stacked = key.startswith("layers/")
+    names = [mp.hf_name.format(i=i) for i in range(cfg.num_layers)] if stacked else [mp.hf_name]
+    for name in names:
+      if tuple(tensor(name).get_shape()) != mp.hf_shape:
+        raise ValueError(f"{folder}: tensor {name!r} has shape {tensor(name).get_shape()}, config.json implies {mp.hf_shape}")
+
+    def callback(index):
+      if not stacked:
+        return _read(tensor(names[0]), mp, index).astype(dtype)
+      layers = range(*index[0].indices(cfg.num_layers))
+      return np.stack([_read(tensor(names[i]), mp, index[1:]) for i in layers]).astype(dtype)
+
+    return jax.make_array_from_callback(shape_dtype.shape, sharding, callback)
+
+  params = jax.tree_util.tree_map_with_path(build, shapes, shardings)
+  return cfg, params
+
+
+def _load_value_head(folder: Path, shape_dtype, sharding):
+  path = folder / _VALUE_HEAD_FILE
+  if not path.is_file():  # a plain LM checkpoint: the critic head starts at zero, as a fresh one would
+    return jax.device_put(jnp.zeros(shape_dtype.shape, shape_dtype.dtype), sharding)
+  with safe_open(path, "np") as f:
+    return jax.device_put(f.get_tensor("value_head.weight").astype(shape_dtype.dtype), sharding)
+
+
+def _to_hf(value: np.ndarray, mp: _Map) -> np.ndarray:
+  inverse = np.argsort(mp.perm)
+  return np.ascontiguousarray(value.transpose(inverse).reshape(mp.hf_shape))
+
+
+def save_hf_checkpoint(
+    params, cfg: ModelConfig, folder: str | Path, tokenizer_folder: str | Path | None = None,
+    max_shard_bytes: int = 2**31,
+) -> Path:
+  """Writes config.json, sharded safetensors with their index, and the tokenizer files, loadable by transformers."""
+  folder = Path(folder)
+  folder.mkdir(parents=True, exist_ok=True)
+  flat = {"/".join(p.key for p in path): v for path, v in jax.tree_util.tree_leaves_with_path(params)}
+  tensors: dict[str, np.ndarray] = {}
+  for key, mp in _maps(cfg).items():
+    value = np.asarray(jax.device_get(flat[key]))
+    if key.startswith("layers/"):
+      for i in range(cfg.num_layers):
+        tensors[mp.hf_name.format(i=i)] = _to_hf(value[i], mp)
+    else:
+      tensors[mp.hf_name] = _to_hf(value, mp)
+  shards: list[dict[str, np.ndarray]] = [{}]
+  size = 0
+  for name, arr in tensors.items():
+    if size and size + arr.nbytes > max_shard_bytes:
+      shards.append({})
+      size = 0
+    shards[-1][name] = arr
+    size += arr.nbytes
+  weight_map = {}
+  for n, shard in enumerate(shards):
+    file = "model.safetensors" if len(shards) == 1 else f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+    save_file(shard, folder / file, metadata={"format": "pt"})
+    weight_map.update({name: file for name in shard})
+  if len(shards) > 1:
+    total = sum(a.nbytes for a in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+  if cfg.value_head:
+    save_file({"value_head.weight": np.asarray(jax.device_get(flat["value_head"]))}, folder / _VALUE_HEAD_FILE)
+  (folder / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2))
+  if tokenizer_folder is not None:
+    for name in TOKENIZER_FILES:
+      src = Path(tokenizer_folder) / name
+      if src.is_file():
+        shutil.copy(src, folder / name)
+  return folder

@@ -1,0 +1,40 @@
+"""Configs: loading a config file, typed overrides, and errors that name the field."""
+
+import pytest
+
+from dreamjax.config import apply_override, load_config
+from dreamjax.demo import DemoConfig
+
+
+def test_overrides_are_parsed_by_field_type():
+  cfg = DemoConfig()
+  cfg = apply_override(cfg, "batch=3")
+  cfg = apply_override(cfg, "top_p=0.5")
+  cfg = apply_override(cfg, "model.tie_word_embeddings=true")
+  cfg = apply_override(cfg, "model.eos_token_id=7")
+  cfg = apply_override(cfg, "mesh.tensor=2")
+  assert (cfg.batch, cfg.top_p, cfg.model.tie_word_embeddings, cfg.model.eos_token_id, cfg.mesh.tensor) == (
+      3, 0.5, True, 7, 2)
+  assert apply_override(cfg, "model.eos_token_id=none").model.eos_token_id is None
+
+
+@pytest.mark.parametrize("item, message", [
+    ("bach=3", "unknown field 'bach'"),
+    ("batch=three", "field 'batch' expects int"),
+    ("model.tie_word_embeddings=maybe", "expects bool"),
+    ("batch", "not of the form key=value"),
+    ("batch.x=1", "not inside a config section"),
+    ("model=1", "set its fields"),
+])
+def test_bad_overrides_name_the_field(item, message):
+  with pytest.raises(ValueError, match=message):
+    apply_override(DemoConfig(), item)
+
+
+def test_load_config_file_and_errors(tmp_path):
+  assert load_config("configs/demo.py", ["batch=2"]).batch == 2
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    load_config(tmp_path / "missing.py")
+  (tmp_path / "empty.py").write_text("x = 1\n")
+  with pytest.raises(ValueError, match="defines no config"):
+    load_config(tmp_path / "empty.py")
