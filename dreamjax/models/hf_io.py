@@ -17,7 +17,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -33,39 +32,44 @@ _VALUE_HEAD_FILE = "value_head.safetensors"  # not an HF tensor: kept beside the
 class _Map:
   """How one HF tensor becomes one of our parameters: reshape to `view`, then transpose by `perm`."""
 
-  hf_name: str  # with "{i}" for the layer index when the parameter is stacked over layers
+  hf_name: str
   view: tuple[int, ...]
   perm: tuple[int, ...]
   hf_shape: tuple[int, ...]
 
 
 def _maps(cfg: ModelConfig) -> dict[str, _Map]:
+  """Our parameter path ("layers_3/attn/q") -> its HF tensor."""
   e, m, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
   h, k, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  lay = "model.layers.{i}."
   out = {
       "embed": _Map("model.embed_tokens.weight", (v, e), (0, 1), (v, e)),
       "final_norm/scale": _Map("model.norm.weight", (e,), (0,), (e,)),
-      "layers/attn_norm/scale": _Map(lay + "input_layernorm.weight", (e,), (0,), (e,)),
-      "layers/mlp_norm/scale": _Map(lay + "post_attention_layernorm.weight", (e,), (0,), (e,)),
-      "layers/attn/q": _Map(lay + "self_attn.q_proj.weight", (h, d, e), (2, 0, 1), (h * d, e)),
-      "layers/attn/k": _Map(lay + "self_attn.k_proj.weight", (k, d, e), (2, 0, 1), (k * d, e)),
-      "layers/attn/v": _Map(lay + "self_attn.v_proj.weight", (k, d, e), (2, 0, 1), (k * d, e)),
-      "layers/attn/o": _Map(lay + "self_attn.o_proj.weight", (e, h, d), (1, 2, 0), (e, h * d)),
-      "layers/mlp/gate": _Map(lay + "mlp.gate_proj.weight", (m, e), (1, 0), (m, e)),
-      "layers/mlp/up": _Map(lay + "mlp.up_proj.weight", (m, e), (1, 0), (m, e)),
-      "layers/mlp/down": _Map(lay + "mlp.down_proj.weight", (e, m), (1, 0), (e, m)),
   }
-  if cfg.qkv_bias:
-    for name, heads in (("q", h), ("k", k), ("v", k)):
-      out[f"layers/attn/{name}_bias"] = _Map(lay + f"self_attn.{name}_proj.bias", (heads, d), (0, 1), (heads * d,))
-  if cfg.o_bias:
-    out["layers/attn/o_bias"] = _Map(lay + "self_attn.o_proj.bias", (e,), (0,), (e,))
-  if cfg.mlp_bias:
-    for name, size in (("gate", m), ("up", m), ("down", e)):
-      out[f"layers/mlp/{name}_bias"] = _Map(lay + f"mlp.{name}_proj.bias", (size,), (0,), (size,))
   if not cfg.tie_word_embeddings:
     out["lm_head"] = _Map("lm_head.weight", (v, e), (1, 0), (v, e))
+  for i in range(cfg.num_layers):
+    ours, hf = f"layers_{i}/", f"model.layers.{i}."
+    layer = {
+        "attn_norm/scale": _Map(hf + "input_layernorm.weight", (e,), (0,), (e,)),
+        "mlp_norm/scale": _Map(hf + "post_attention_layernorm.weight", (e,), (0,), (e,)),
+        "attn/q": _Map(hf + "self_attn.q_proj.weight", (h, d, e), (2, 0, 1), (h * d, e)),
+        "attn/k": _Map(hf + "self_attn.k_proj.weight", (k, d, e), (2, 0, 1), (k * d, e)),
+        "attn/v": _Map(hf + "self_attn.v_proj.weight", (k, d, e), (2, 0, 1), (k * d, e)),
+        "attn/o": _Map(hf + "self_attn.o_proj.weight", (e, h, d), (1, 2, 0), (e, h * d)),
+        "mlp/gate": _Map(hf + "mlp.gate_proj.weight", (m, e), (1, 0), (m, e)),
+        "mlp/up": _Map(hf + "mlp.up_proj.weight", (m, e), (1, 0), (m, e)),
+        "mlp/down": _Map(hf + "mlp.down_proj.weight", (e, m), (1, 0), (e, m)),
+    }
+    if cfg.qkv_bias:
+      for name, heads in (("q", h), ("k", k), ("v", k)):
+        layer[f"attn/{name}_bias"] = _Map(hf + f"self_attn.{name}_proj.bias", (heads, d), (0, 1), (heads * d,))
+    if cfg.o_bias:
+      layer["attn/o_bias"] = _Map(hf + "self_attn.o_proj.bias", (e,), (0,), (e,))
+    if cfg.mlp_bias:
+      for name, size in (("gate", m), ("up", m), ("down", e)):
+        layer[f"mlp/{name}_bias"] = _Map(hf + f"mlp.{name}_proj.bias", (size,), (0,), (size,))
+    out.update({ours + key: mp for key, mp in layer.items()})
   return out
 
 
@@ -148,22 +152,13 @@ def load_hf_checkpoint(
 
   def build(path, shape_dtype, sharding):
     key = "/".join(p.key for p in path)
-    dtype = shape_dtype.dtype
     if key == "value_head":
       return _load_value_head(folder, shape_dtype, sharding)
     mp = maps[key]
-    stacked = key.startswith("layers/")
-    names = [mp.hf_name.format(i=i) for i in range(cfg.num_layers)] if stacked else [mp.hf_name]
-    for name in names:
-      if tuple(tensor(name).get_shape()) != mp.hf_shape:
-        raise ValueError(f"{folder}: tensor {name!r} has shape {tensor(name).get_shape()}, config.json implies {mp.hf_shape}")
-
-    def callback(index):
-      if not stacked:
-        return _read(tensor(names[0]), mp, index).astype(dtype)
-      layers = range(*index[0].indices(cfg.num_layers))
-      return np.stack([_read(tensor(names[i]), mp, index[1:]) for i in layers]).astype(dtype)
-
+    if tuple(tensor(mp.hf_name).get_shape()) != mp.hf_shape:
+      raise ValueError(f"{folder}: tensor {mp.hf_name!r} has shape {tensor(mp.hf_name).get_shape()}, "
+                       f"config.json implies {mp.hf_shape}")
+    callback = lambda index: _read(tensor(mp.hf_name), mp, index).astype(shape_dtype.dtype)  # noqa: E731
     return jax.make_array_from_callback(shape_dtype.shape, sharding, callback)
 
   params = jax.tree_util.tree_map_with_path(build, shapes, shardings)
@@ -193,12 +188,7 @@ def save_hf_checkpoint(
   flat = {"/".join(p.key for p in path): v for path, v in jax.tree_util.tree_leaves_with_path(params)}
   tensors: dict[str, np.ndarray] = {}
   for key, mp in _maps(cfg).items():
-    value = np.asarray(jax.device_get(flat[key]))
-    if key.startswith("layers/"):
-      for i in range(cfg.num_layers):
-        tensors[mp.hf_name.format(i=i)] = _to_hf(value[i], mp)
-    else:
-      tensors[mp.hf_name] = _to_hf(value, mp)
+    tensors[mp.hf_name] = _to_hf(np.asarray(jax.device_get(flat[key])), mp)
   shards: list[dict[str, np.ndarray]] = [{}]
   size = 0
   for name, arr in tensors.items():

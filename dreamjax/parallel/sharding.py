@@ -22,7 +22,6 @@ _COMMON: Rules = (
     ("batch", ("data", "fsdp")),
     ("seq", None),
     ("cache_seq", None),
-    ("layers", None),
     ("norm", None),
     ("head_dim", None),
     ("vocab", "tensor"),

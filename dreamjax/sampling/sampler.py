@@ -18,8 +18,8 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from dreamjax.models.config import ModelConfig
-from dreamjax.models.transformer import CACHE_AXES, KVCache, Transformer
-from dreamjax.parallel.sharding import SAMPLE_RULES, Rules, constrain, named_sharding, tree_shardings
+from dreamjax.models.transformer import KVCache, Transformer
+from dreamjax.parallel.sharding import SAMPLE_RULES, Rules, named_sharding, tree_shardings
 from dreamjax.sampling.logits import choose_tokens
 
 
@@ -44,7 +44,7 @@ class SampleOutput:
 
 @flax.struct.dataclass
 class _State:
-  step: Int[Array, ""]
+  step: Int[Array, ""]  # tokens emitted so far
   tokens: Int[Array, "B N"]
   logps: Float[Array, "B N"]
   lengths: Int[Array, " B"]
@@ -101,14 +101,12 @@ def _sample(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, *, cfg
             pad_id: int) -> SampleOutput:
   model = Transformer(cfg)
   batch, prompt_len = prompt_tokens.shape
-  slots = prompt_len + max_new_tokens
   tokens, mask, lengths = _left_align(prompt_tokens, prompt_mask)
   positions = jnp.maximum(jnp.cumsum(mask, -1) - 1, 0)
   key_valid = jnp.concatenate([mask, jnp.zeros((batch, max_new_tokens), bool)], -1)
-  cache = KVCache.zeros(cfg, batch, slots)
-  cache = KVCache(constrain(cache.k, CACHE_AXES), constrain(cache.v, CACHE_AXES))
+  cache = KVCache.zeros(cfg, batch, prompt_len + max_new_tokens)
+  cache = cache.constrain()
   out = model.apply({"params": params}, tokens, positions, key_valid, cache=cache, cache_index=0, last_only=True)
-  width = sp.stop.shape[-1]
   state = _State(
       step=jnp.zeros((), jnp.int32),
       tokens=jnp.full((batch, max_new_tokens), pad_id, jnp.int32),
@@ -116,17 +114,15 @@ def _sample(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, *, cfg
       lengths=jnp.zeros((batch,), jnp.int32),
       done=sp.max_new_tokens <= 0,
       stopped=jnp.zeros((batch,), bool),
-      tail=jnp.full((batch, width), -2, jnp.int32),
+      tail=jnp.full((batch, sp.stop.shape[-1]), -2, jnp.int32),
       positions=lengths,
       key_valid=key_valid,
       logits=out.logits[:, 0],
       cache=out.cache,
   )
 
-  def cond(s: _State):
-    return (s.step < max_new_tokens) & ~jnp.all(s.done)
-
-  def body(s: _State) -> _State:
+  def emit(s: _State) -> _State:
+    """Chooses token `step` for every live row from the current logits and records it."""
     # Each row draws from its own key folded with the step: a row's sample never depends on its batch neighbours.
     u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, s.step)))(keys)
     token, logp = choose_tokens(s.logits, u, sp.temperature, sp.top_p, sp.top_k)
@@ -136,20 +132,25 @@ def _sample(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, *, cfg
     hit = jnp.all((sp.stop == tail[:, None, :]) | (sp.stop < 0), -1) & jnp.any(sp.stop >= 0, -1)
     lengths = s.lengths + live
     stopped = s.stopped | (live & jnp.any(hit, -1))
-    done = s.done | stopped | (lengths >= sp.max_new_tokens)
-    slot = prompt_len + s.step
-    key_valid = jax.lax.dynamic_update_slice_in_dim(s.key_valid, live[:, None], slot, axis=1)
-    out = model.apply({"params": params}, token[:, None], s.positions[:, None], key_valid, cache=s.cache,
-                      cache_index=slot)
-    return _State(
+    return s.replace(
         step=s.step + 1,
         tokens=jax.lax.dynamic_update_slice_in_dim(s.tokens, token[:, None], s.step, axis=1),
         logps=jax.lax.dynamic_update_slice_in_dim(s.logps, jnp.where(live, logp, 0.0)[:, None], s.step, axis=1),
-        lengths=lengths, done=done, stopped=stopped, tail=tail, positions=s.positions + live,
-        key_valid=key_valid, logits=out.logits[:, 0], cache=out.cache,
+        lengths=lengths, stopped=stopped, done=s.done | stopped | (lengths >= sp.max_new_tokens), tail=tail,
+        key_valid=jax.lax.dynamic_update_slice_in_dim(s.key_valid, live[:, None], prompt_len + s.step, axis=1),
     )
 
-  s = jax.lax.while_loop(cond, body, state)
+  def advance(s: _State) -> _State:
+    """Feeds the last emitted token through the model: logits for the next one, and its keys/values cached."""
+    slot = prompt_len + s.step - 1
+    token = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
+    out = model.apply({"params": params}, token, s.positions[:, None], s.key_valid, cache=s.cache, cache_index=slot)
+    live = jax.lax.dynamic_slice_in_dim(s.key_valid, slot, 1, axis=1)[:, 0]
+    return s.replace(logits=out.logits[:, 0], cache=out.cache, positions=s.positions + live)
+
+  # N tokens need N - 1 forwards after the prefill: the loop emits and advances, the last token is emitted after it.
+  s = jax.lax.while_loop(lambda s: (s.step < max_new_tokens - 1) & ~jnp.all(s.done), lambda s: advance(emit(s)), state)
+  s = emit(s)
   return SampleOutput(tokens=s.tokens, logps=s.logps, lengths=s.lengths, stopped=s.stopped)
 
 

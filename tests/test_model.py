@@ -1,0 +1,114 @@
+"""Model features beyond HF parity: bf16 compute, value head, rematerialisation, config round trips and errors."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dreamjax.models import (Transformer, from_hf_config, init_params, load_hf_checkpoint, load_hf_config,
+                             save_hf_checkpoint, tiny, to_hf_config)
+from dreamjax.models.config import RopeScaling
+
+TOKENS = np.random.RandomState(0).randint(0, 256, (2, 16)).astype(np.int32)
+POS = np.broadcast_to(np.arange(16), (2, 16))
+VALID = np.ones((2, 16), bool)
+
+
+def forward(cfg, params):
+  return jax.jit(Transformer(cfg).apply)({"params": params}, TOKENS, POS, VALID)
+
+
+def test_bfloat16_compute_stays_close_to_float32():
+  cfg = tiny("llama")
+  params = init_params(cfg, jax.random.key(0))
+  ref = forward(cfg, params).logits
+  out = forward(cfg.replace(dtype="bfloat16"), params).logits
+  assert out.dtype == jnp.float32  # logits are always float32
+  assert float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref))) < 3e-2
+
+
+def test_value_head_outputs_and_survives_export(tmp_path):
+  cfg = tiny("qwen2", value_head=True)
+  params = init_params(cfg, jax.random.key(0))
+  params["value_head"] = jax.random.normal(jax.random.key(1), params["value_head"].shape)
+  values = forward(cfg, params).values
+  assert values.shape == (2, 16) and values.dtype == jnp.float32 and float(jnp.std(values)) > 0
+  save_hf_checkpoint(params, cfg, tmp_path)
+  _, reloaded = load_hf_checkpoint(tmp_path, value_head=True)
+  np.testing.assert_array_equal(reloaded["value_head"], params["value_head"])
+  (tmp_path / "value_head.safetensors").unlink()
+  _, plain = load_hf_checkpoint(tmp_path, value_head=True)  # an LM-only checkpoint gets a zero critic head
+  assert not np.any(np.asarray(plain["value_head"]))
+
+
+def test_remat_gives_the_same_gradients():
+  cfg = tiny("llama")
+  params = init_params(cfg, jax.random.key(0))
+
+  def grads(c):
+    loss = lambda p: jnp.mean(Transformer(c).apply({"params": p}, TOKENS, POS, VALID).logits ** 2)
+    return jax.jit(jax.grad(loss))(params)
+
+  ref = grads(cfg)
+  for policy in ("full", "dots"):
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(grads(cfg.replace(remat=policy)))):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("cfg", [
+    tiny("qwen2"),
+    tiny("llama", tie_word_embeddings=True, eos_token_id=(2, 3),
+         rope_scaling=RopeScaling("llama3", 32.0, 1.0, 4.0, 8192)),
+    tiny("llama", rope_scaling=RopeScaling("linear", 2.0)),
+])
+def test_hf_config_round_trip(cfg):
+  assert from_hf_config(to_hf_config(cfg)) == cfg
+
+
+def test_legacy_rope_fields_are_read():
+  d = to_hf_config(tiny("llama"))
+  d.pop("rope_parameters")
+  d.update(rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 4.0})
+  cfg = from_hf_config(d)
+  assert cfg.rope_theta == 500000.0 and cfg.rope_scaling == RopeScaling("linear", 4.0)
+
+
+def test_config_errors_name_file_and_field(tmp_path):
+  with pytest.raises(FileNotFoundError, match="no config.json"):
+    load_hf_config(tmp_path)
+  (tmp_path / "config.json").write_text("{\n  \"model_type\": \"llama\",\n")
+  with pytest.raises(ValueError, match="config.json: invalid JSON at line 3"):
+    load_hf_config(tmp_path)
+  d = to_hf_config(tiny("llama"))
+  del d["hidden_size"]
+  (tmp_path / "config.json").write_text(json.dumps(d))
+  with pytest.raises(ValueError, match="config.json: missing field 'hidden_size'"):
+    load_hf_config(tmp_path)
+  with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+    from_hf_config({"model_type": "gpt2"})
+  d = to_hf_config(tiny("llama"))
+  d["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
+  with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+    from_hf_config(d)
+
+
+def test_checkpoint_errors_name_the_tensor(tmp_path):
+  cfg = tiny("qwen2")
+  save_hf_checkpoint(init_params(cfg, jax.random.key(0)), cfg, tmp_path)
+  d = json.loads((tmp_path / "config.json").read_text())
+  d["intermediate_size"] = 96
+  (tmp_path / "config.json").write_text(json.dumps(d))
+  with pytest.raises(ValueError, match=r"tensor 'model.layers.0.mlp.(gate|up|down)_proj.weight' has shape"):
+    load_hf_checkpoint(tmp_path)
+  d["tie_word_embeddings"] = True
+  d["intermediate_size"] = 128
+  d["model_type"] = "llama"
+  d["attention_bias"] = True  # llama with biases on o_proj too: the checkpoint lacks o_proj.bias
+  (tmp_path / "config.json").write_text(json.dumps(d))
+  with pytest.raises(ValueError, match="no tensor 'model.layers.0.self_attn.o_proj.bias'"):
+    load_hf_checkpoint(tmp_path)
+  (tmp_path / "model.safetensors").unlink()
+  with pytest.raises(FileNotFoundError, match="no \\*.safetensors files"):
+    load_hf_checkpoint(tmp_path)
