@@ -2,13 +2,17 @@
 PYTHON ?= python3
 VENV ?= .venv
 STAMP := $(VENV)/.installed
+PIP := $(VENV)/bin/python -m pip --quiet --disable-pip-version-check
 
 .PHONY: demo test bench
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml tools/install_system_deps.sh
+	bash tools/install_system_deps.sh
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e '.[dev]'
+	$(PIP) install --upgrade pip setuptools wheel
+	# ALFWorld's planner runs a bare `python` in its build script, which pip's isolated build environment breaks.
+	$(PIP) install --no-build-isolation fast-downward-textworld==20.6.4
+	$(PIP) install -e '.[dev,envs]'
 	touch $(STAMP)
 
 demo: $(STAMP)
