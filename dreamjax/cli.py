@@ -7,7 +7,10 @@ import sys
 
 from dreamjax.config import load_config
 
-COMMANDS = {"demo": "sample a batch from a (tiny or real) checkpoint and report tokens/s"}
+COMMANDS = {
+    "demo": "sample a batch from a (tiny or real) checkpoint and report tokens/s",
+    "collect": "run expert/random/eps policies on a real env; write trajectories (JSONL, TFDS) and a summary",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,6 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     from dreamjax import demo
 
     demo.run(cfg)
+  elif args.command == "collect":
+    from dreamjax.data import collect
+
+    try:
+      collect.run(cfg)
+    except ValueError as e:  # bad settings or a malformed trajectory file: the message names the field or line
+      print(f"dreamjax collect: {e}", file=sys.stderr)
+      return 2
   return 0
 
 

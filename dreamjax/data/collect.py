@@ -1,0 +1,329 @@
+"""The collector: expert, random and epsilon-noisy policies on a real env, episodes written to JSONL as they finish.
+
+Policies (by name):
+- "expert": the env's `expert_action()`; where it has none (TWX's gold path after a deviation, an exhausted path), a
+  uniformly random admissible action stands in, recorded as step source "fallback".
+- "random": uniform over the admissible actions of the current observation.
+- "eps<p>" (e.g. "eps0.3"): random with probability p, else the expert (with the same fallback).
+Each episode draws from its own `random.Random(seed)`, the seed a hash of (config seed, episode id), so an episode's
+choices do not depend on the batch it ran in, the number of workers, or on resuming. (Whether the env itself is
+deterministic is the env's business: TWX's coin and twc gold paths are not.)
+
+Episodes are planned up front: policy k with count c runs on tasks 0..c/G of each of the G games, game by game in
+turn, so all policies share tasks and the episode id "<policy>:<task_id>" is unique. The JSONL file is the source of
+truth: a restarted run reads it, skips episodes already there, and goes on. An episode ended by an infrastructure
+failure (a worker crash or hang in the pool) is retried `max_retries` times and otherwise left out, so a later run
+retries it; such failures are counted in the summary, never written as env outcomes.
+
+Layout under out_dir: trajectories.jsonl, collect_config.json (what the episodes depend on, checked on resume),
+summary.json, and tfds/ (the DreamjaxTrajectories dataset built from the JSONL).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import importlib
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from dreamjax.data.jsonl import JsonlWriter
+from dreamjax.data.records import StepRecord, TrajectoryRecord, iter_trajectories, summarize
+from dreamjax.envs.base import Observation, SerialBatchEnv, Task
+from dreamjax.envs.registry import ADAPTERS, make_env
+from dreamjax.envs.web_state import instantiate
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectConfig:
+  env: str = "textworld_express"
+  env_kwargs: tuple[str, ...] = ("step_limit=50",)  # "key=value"; values parsed as JSON where they parse, else text
+  games: tuple[str, ...] = ("cookingworld", "twc", "coin")
+  split: str = "train"
+  task_start: int = 0  # first task index of each game
+  game_params: str = ""  # env-specific game settings (TWX: "numLocations=3, ...")
+  policies: tuple[str, ...] = ("expert:2000", "random:1000", "eps0.3:2000")  # "policy:episodes", spread over games
+  num_workers: int = 2  # EnvPool worker processes; 0 runs envs in this process
+  rows_per_worker: int = 1  # episodes stepped together = max(num_workers, 1) * rows_per_worker
+  max_steps: int = 100  # the collector's own cap, a guard beyond the env's step limit
+  max_retries: int = 1  # retries of an episode lost to a worker crash or hang
+  step_timeout_s: float = 60.0
+  reset_timeout_s: float = 180.0
+  seed: int = 0
+  out_dir: str = "runs/collect/twx"
+  eval_fraction: float = 0.1
+  build_tfds: bool = True
+  progress: bool = True
+
+
+# What the recorded episodes depend on; a resumed run must agree on these.
+IDENTITY_FIELDS = ("env", "env_kwargs", "split", "task_start", "game_params", "max_steps", "seed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Episode:
+  episode_id: str
+  policy: str
+  task: Task
+  seed: int
+
+
+def parse_env_kwargs(items: Sequence[str]) -> dict[str, Any]:
+  out = {}
+  for item in items:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+      raise ValueError(f"env_kwargs: expected key=value, got {item!r}")
+    try:
+      out[key.strip()] = json.loads(raw)
+    except json.JSONDecodeError:
+      out[key.strip()] = raw
+  return out
+
+
+def parse_policy(name: str) -> float:
+  """The probability of a random action: expert 0, random 1, eps<p> p."""
+  if name == "expert":
+    return 0.0
+  if name == "random":
+    return 1.0
+  if name.startswith("eps"):
+    try:
+      p = float(name[3:])
+    except ValueError:
+      p = -1.0
+    if 0.0 <= p <= 1.0:
+      return p
+  raise ValueError(f"unknown policy {name!r}: expected 'expert', 'random' or 'eps<p>' with 0 <= p <= 1")
+
+
+def parse_policies(items: Sequence[str]) -> list[tuple[str, int]]:
+  out = []
+  for item in items:
+    name, sep, count = item.rpartition(":")
+    if not sep or not count.strip().isdigit():
+      raise ValueError(f"policies: expected 'policy:episodes', got {item!r}")
+    parse_policy(name)
+    out.append((name, int(count)))
+  if len({n for n, _ in out}) != len(out):
+    raise ValueError(f"policies: a policy is listed twice in {list(items)}")
+  return out
+
+
+def episode_seed(seed: int, episode_id: str) -> int:
+  return int.from_bytes(hashlib.sha256(f"{seed}:{episode_id}".encode()).digest()[:4], "big")
+
+
+# How each adapter module's tasks() is called for (game, split, n, start, params). The default is TWX's and MiniWoB's
+# signature; ALFWorld draws by split and task type (its "games"), its `start` counting seeds of that type.
+_TASK_CALLS: dict[str, Callable[..., list[Task]]] = {
+    "alfworld": lambda m, game, split, n, start, params: m.tasks(split, task_types=(game,), n=n, start=start),
+}
+
+
+def _default_task_call(m, game, split, n, start, params):
+  return m.tasks(game, split, n, start=start, **({"params": params} if params else {}))
+
+
+def env_tasks(env: str, game: str, split: str, n: int, start: int = 0, params: str = "") -> list[Task]:
+  """n tasks of one game from the env adapter module's own tasks() function."""
+  if env not in ADAPTERS:
+    raise ValueError(f"unknown env {env!r}; known: {', '.join(sorted(ADAPTERS))}")
+  module = importlib.import_module(ADAPTERS[env].split(":")[0])
+  if not hasattr(module, "tasks"):
+    raise ValueError(f"env {env!r}: its adapter {module.__name__} has no tasks() function to draw tasks from")
+  return _TASK_CALLS.get(env, _default_task_call)(module, game, split, n, start, params)
+
+
+def plan_episodes(cfg: CollectConfig, make_tasks: Callable[..., list[Task]] = env_tasks) -> list[Episode]:
+  policies = parse_policies(cfg.policies)
+  games = list(cfg.games)
+  per_game = max((-(-count // len(games)) for _, count in policies), default=0)
+  tasks = {g: make_tasks(cfg.env, g, cfg.split, per_game, start=cfg.task_start, params=cfg.game_params)
+           for g in games}
+  out = []
+  for name, count in policies:
+    for j in range(count):
+      task = tasks[games[j % len(games)]][j // len(games)]
+      episode_id = f"{name}:{task.task_id}"
+      out.append(Episode(episode_id, name, task, episode_seed(cfg.seed, episode_id)))
+  return out
+
+
+def _expert_actions(batch, rows: list[int]) -> dict[int, str | None]:
+  if not rows:
+    return {}
+  if hasattr(batch, "expert_actions"):
+    actions = batch.expert_actions(rows)
+    return {i: actions[i] for i in rows}
+  return {i: getattr(batch.envs[i], "expert_action", lambda: None)() for i in rows}
+
+
+def run_episodes(batch, episodes: Sequence[Episode],
+                 max_steps: int) -> Iterator[tuple[Episode, TrajectoryRecord | str]]:
+  """Runs episodes together on a BatchEnv, one row each; yields (episode, record) as each ends, or (episode, error)
+  when the env infrastructure failed it."""
+  n = len(episodes)
+  obs: list[Observation] = batch.reset_batch([e.task for e in episodes])
+  rngs = [random.Random(e.seed) for e in episodes]
+  eps = [parse_policy(e.policy) for e in episodes]
+  steps: list[list[StepRecord]] = [[] for _ in episodes]
+  live = [True] * n
+  score: list[Any] = [None] * n
+  while any(live):
+    use_random = [live[i] and (eps[i] >= 1.0 or (eps[i] > 0.0 and rngs[i].random() < eps[i])) for i in range(n)]
+    experts = _expert_actions(batch, [i for i in range(n) if live[i] and not use_random[i]])
+    actions: list[str | None] = [None] * n
+    sources = [""] * n
+    for i in range(n):
+      if not live[i]:
+        continue
+      if not use_random[i] and experts[i] is not None:
+        actions[i], sources[i] = experts[i], "expert"
+      else:
+        # No admissible list (or a row the pool already ended): "" is an invalid action the env records as such.
+        # Admissible entries may be templates with a free-text slot (web forms: fill('15', <text>)).
+        actions[i] = instantiate(rngs[i].choice(obs[i].admissible), rngs[i]) if obs[i].admissible else ""
+        sources[i] = "random" if use_random[i] else "fallback"
+    results = batch.step_batch(actions)
+    for i in range(n):
+      if not live[i]:
+        continue
+      r = results[i]
+      if "error" in r.info:
+        live[i] = False
+        yield episodes[i], str(r.info["error"])
+        continue
+      steps[i].append(StepRecord(obs[i].state, actions[i], r.observation.state, float(r.reward), bool(r.done),
+                                 bool(r.success), bool(r.invalid), tuple(obs[i].admissible), sources[i]))
+      obs[i] = r.observation
+      if isinstance(r.info.get("score"), int | float) and not isinstance(r.info.get("score"), bool):
+        score[i] = float(r.info["score"])
+      if r.done or len(steps[i]) >= max_steps:
+        live[i] = False
+        e = episodes[i]
+        yield e, TrajectoryRecord(e.episode_id, e.task.env, e.task, obs[i].instruction or e.task.instruction, e.policy,
+                                  e.seed, tuple(steps[i]), bool(r.success), len(steps[i]), score[i])
+
+
+def _check_identity(cfg: CollectConfig, out: Path) -> None:
+  path = out / "collect_config.json"
+  mine = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(cfg))).items() if k in IDENTITY_FIELDS}
+  if path.is_file():
+    before = json.loads(path.read_text())
+    for k in IDENTITY_FIELDS:
+      if k in before and before[k] != mine[k]:
+        raise ValueError(f"{path}: field {k!r} was {before[k]!r} for the episodes already collected, now {mine[k]!r};"
+                         " use another out_dir")
+  path.write_text(json.dumps(mine, indent=1, sort_keys=True) + "\n")
+
+
+def _load_done(path: Path) -> dict[str, TrajectoryRecord]:
+  done: dict[str, TrajectoryRecord] = {}
+  if path.is_file():
+    for r in iter_trajectories(path):
+      done.setdefault(r.episode_id, r)
+  return done
+
+
+def make_batch_env(cfg: CollectConfig):
+  kwargs = parse_env_kwargs(cfg.env_kwargs)
+  if cfg.num_workers <= 0:
+    return SerialBatchEnv([make_env(cfg.env, **kwargs) for _ in range(cfg.rows_per_worker)])
+  from dreamjax.envs.pool import EnvPool
+
+  return EnvPool(cfg.env, kwargs, cfg.num_workers, step_timeout_s=cfg.step_timeout_s,
+                 reset_timeout_s=cfg.reset_timeout_s)
+
+
+def collect(cfg: CollectConfig, episodes: Sequence[Episode] | None = None, batch=None) -> dict[str, Any]:
+  """Collects the planned episodes that out_dir's JSONL lacks, then writes summary.json (and the TFDS dataset).
+  `batch` may be any BatchEnv (it is not closed here); by default an EnvPool (or in-process envs) is made."""
+  parse_policies(cfg.policies)  # bad settings fail here, before any env starts or file is written
+  parse_env_kwargs(cfg.env_kwargs)
+  if not cfg.games or cfg.rows_per_worker < 1 or cfg.max_steps < 1:
+    raise ValueError("collect: games must be non-empty and rows_per_worker and max_steps positive")
+  out = Path(cfg.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  _check_identity(cfg, out)
+  jsonl = out / "trajectories.jsonl"
+  episodes = plan_episodes(cfg) if episodes is None else list(episodes)
+  done = _load_done(jsonl)
+  todo = collections.deque(e for e in episodes if e.episode_id not in done)
+  rows = max(cfg.num_workers, 1) * cfg.rows_per_worker
+  owned = batch is None
+  batch = make_batch_env(cfg) if owned else batch
+  tries: collections.Counter = collections.Counter()
+  errors: list[str] = []
+  steps = written = 0
+  t0 = time.perf_counter()
+  bar = tqdm(total=len(episodes), initial=len(episodes) - len(todo), desc="collect", unit="ep",
+             disable=not cfg.progress, dynamic_ncols=True)
+  try:
+    with JsonlWriter(jsonl) as writer:
+      while todo:
+        chunk = [todo.popleft() for _ in range(min(rows, len(todo)))]
+        for e, outcome in run_episodes(batch, chunk, cfg.max_steps):
+          if isinstance(outcome, str):
+            tries[e.episode_id] += 1
+            errors.append(f"{e.episode_id}: {outcome}")
+            tqdm.write(f"collect: {e.episode_id} failed ({outcome})", file=sys.stderr)
+            if tries[e.episode_id] <= cfg.max_retries:
+              todo.append(e)
+            continue
+          writer.write(outcome.to_json())
+          done[e.episode_id] = outcome
+          written += 1
+          steps += outcome.num_steps
+          bar.update(1)
+  finally:
+    bar.close()
+    if owned:
+      batch.close()
+  seconds = time.perf_counter() - t0
+  planned = {e.episode_id for e in episodes}
+  summary = {
+      "env": cfg.env, "jsonl": str(jsonl), "episodes_planned": len(planned),
+      "episodes_done": sum(i in done for i in planned), "episodes_this_run": written, "steps_this_run": steps,
+      "seconds_this_run": round(seconds, 3), "steps_per_s": round(steps / seconds, 2) if seconds else 0.0,
+      "episodes_per_s": round(written / seconds, 3) if seconds else 0.0, "rows": rows,
+      "num_workers": cfg.num_workers, "infrastructure_errors": len(errors), "errors": errors[:20],
+      "restarts": getattr(batch, "restarts", 0),
+      "policies": summarize([done[i] for i in sorted(planned) if i in done]),
+  }
+  (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+  if cfg.build_tfds and jsonl.is_file():
+    from dreamjax.data.tfds_dataset import build_dataset
+
+    build_dataset([jsonl], out / "tfds", eval_fraction=cfg.eval_fraction)
+  return summary
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+  lines = [f"{summary['episodes_done']}/{summary['episodes_planned']} episodes in {summary['jsonl']}; this run: "
+           f"{summary['episodes_this_run']} episodes, {summary['steps_this_run']} steps in "
+           f"{summary['seconds_this_run']:.1f} s ({summary['steps_per_s']:.1f} steps/s, "
+           f"{summary['episodes_per_s']:.2f} episodes/s, {summary['rows']} rows, {summary['num_workers']} workers, "
+           f"{summary['infrastructure_errors']} infrastructure errors, {summary['restarts']} restarts)",
+           "", "| policy | episodes | success rate | mean steps | fallback steps |", "|---|---|---|---|---|"]
+  for name, s in summary["policies"].items():
+    lines.append(f"| {name} | {s['episodes']} | {s['success_rate']:.3f} | {s['mean_steps']:.1f} | "
+                 f"{s['fallback_steps']} |")
+  return "\n".join(lines)
+
+
+def run(cfg: CollectConfig) -> dict[str, Any]:
+  """The `dreamjax collect` command."""
+  summary = collect(cfg)
+  print(format_summary(summary))
+  print(f"summary: {Path(cfg.out_dir) / 'summary.json'}" +
+        (f"; TFDS dataset: {Path(cfg.out_dir) / 'tfds'}" if cfg.build_tfds else ""))
+  return summary
