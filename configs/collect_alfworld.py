@@ -1,0 +1,26 @@
+"""Offline ALFWorld trajectories on locally generated games: 2,000 episodes over the 6 task types.
+
+Run:   dreamjax collect --config configs/collect_alfworld.py
+Tiny (CPU, a few minutes):
+       dreamjax collect --config configs/collect_alfworld.py --set policies=expert:6,random:6 \
+         --set out_dir=runs/collect/alfworld_tiny
+Resume: rerun the same command; episodes already in out_dir/trajectories.jsonl are skipped.
+Games are generated on first use and cached under $ALFWORLD_DATA (default .cache/alfworld).
+"""
+
+from dreamjax.data.collect import CollectConfig
+
+
+def config() -> CollectConfig:
+  return CollectConfig(
+      env="alfworld",
+      env_kwargs=("step_limit=50", "invalid_action=continue"),  # 50 steps, as verl-agent and the paper use
+      games=("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
+             "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place"),
+      split="train",
+      policies=("expert:1200", "random:400", "eps0.3:400"),
+      num_workers=2,
+      rows_per_worker=1,
+      out_dir="runs/collect/alfworld",
+      seed=0,
+  )
