@@ -89,6 +89,30 @@ def test_expert_wins_every_type(expert_runs):
       assert status["handcoded"] == "", (task_type, status)  # the hand-coded expert alone solves these
 
 
+def test_planner_expert_recovers_after_a_deviation_and_keeps_its_deadline(env, train_tasks):
+  task = train_tasks[0]
+  env.expert = "planner"  # a plain attribute, read at the next reset
+  try:
+    obs = env.reset(task)
+    rng = random.Random(1)
+    for _ in range(3):  # wander off first: the planner replans from wherever the agent is
+      obs = env.step(rng.choice([a for a in obs.admissible if a.startswith("go to ")])).observation
+    steps = []
+    while (action := env.expert_action()) is not None:
+      steps.append(env.step(action))
+      if steps[-1].done:
+        break
+    assert steps[-1].success and len(steps) <= 12, env.expert_status
+  finally:
+    env.expert = "auto"
+  planner = games.Planner()  # its own worker, so the shared one is not killed
+  try:
+    with pytest.raises(games.PlannerTimeout, match="search"):
+      planner.plan(task.param["game_file"], [], search_s=1e-3)
+  finally:
+    planner.close()
+
+
 def test_random_policy_mostly_fails(env, train_tasks):
   task = next(t for t in train_tasks if t.param["task_type"] == "pick_clean_then_place_in_recep")
   rng = random.Random(0)

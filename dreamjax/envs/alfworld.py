@@ -6,14 +6,17 @@ infos its experts read (admissible commands, facts, won). Facts this adapter is 
 tests/test_env_alfworld.py):
 - PddlEnv accepts exactly the strings of `admissible_commands`; anything else gets "Nothing happens." and changes
   nothing, so invalid actions are answered here with that same reply, without a round trip.
-- A reset costs seconds: textworld translates the game's PDDL anew (four times: load and reset each build a task for
-  acting and one for planning). A step costs 0.05-0.5 s, spent listing the next admissible commands.
+- A reset costs about a second of CPU (1.5 s for a new game, 0.75 s for the same game again; kitchens more): textworld
+  translates the game's PDDL anew, twice on load and twice on reset. A step costs about 70 ms (14 steps/s), spent
+  listing the next admissible commands.
 - The hand-coded expert (`HandCodedTWAgent`) tracks what it put down by looking for "put" in the last command, but this
   grammar's command is "move X to Y": after its first placement it believes it still holds the object, and on
   pick_two it then proposes inadmissible moves and loops. It also proposes closing receptacles it is not at, going to
   a receptacle sharing its current location (not admissible), and raises IndexError in some rooms. It is not
   deterministic (module-level `random`); here it draws from its own generator. In "auto" mode, once it fails (an
-  exception, an inadmissible proposal, a loop) the planner expert takes over for the rest of the episode.
+  exception, an inadmissible proposal, a loop) the planner expert takes over for the rest of the episode. Measured on
+  8 games per type: hand-coded alone 8, 8, 7, 8, 7 and 1 of 8 (pick_and_place, look_at, clean, heat, cool, pick_two),
+  the planner 48/48 in 4-10 steps.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from dreamjax.envs.base import Observation, StepResult, Task
 
 INVALID_FEEDBACK = "Nothing happens."  # PddlEnv's reply to any command outside its admissible commands
 EXPERTS = ("auto", "handcoded", "planner")
+# In "auto" mode the hand-coded expert hands over to the planner when this few steps remain: it searches receptacle by
+# receptacle and can run out of steps one action short of a win (measured: 50 steps in a kitchen with 11 drawers),
+# while the planner's plans from a reset took 4-10 steps on 48 games.
+PLANNER_RESERVE = 15
 STATE_FIELDS = ("Location", "You see", "Inventory", "Feedback")
 MIDDLE = "middle of the room"
 
@@ -220,7 +227,8 @@ class AlfworldEnv:
 
   Reward is 1.0 on the step where the game is won, else 0. The episode ends on a win, after `step_limit` agent steps
   (invalid ones included; `info["truncated"]`), or, with `invalid_action="fail"`, on an invalid action.
-  `expert`: "auto" (hand-coded, then the planner once it fails), "handcoded" or "planner" (`expert_action`).
+  `expert`: "auto" (hand-coded, then the planner once it fails or PLANNER_RESERVE steps remain), "handcoded" or
+  "planner" (`expert_action`).
   """
 
   name = "alfworld"
@@ -342,7 +350,9 @@ class AlfworldEnv:
       return None
     hand = self._handcoded
     if hand is not None and not hand.failed and hand.next:
-      return hand.next
+      if self.expert == "handcoded" or self.step_limit - self._steps > PLANNER_RESERVE:
+        return hand.next
+      hand.failed, hand.next = f"still searching after {self._steps} steps", None
     if self.expert == "handcoded" or self._planner_error:
       return None
     if self._plan is None:
