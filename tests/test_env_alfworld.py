@@ -66,6 +66,28 @@ def test_games_have_the_official_layout_and_load_for_every_type(root, train_task
     assert traj["scene"]["scene_num"] in games._constants().TRAIN_SCENE_NUMBERS
 
 
+def test_alfworlds_own_training_env_collects_and_plays_the_games(root, train_tasks):
+  from alfworld.agents.environment.alfred_tw_env import AlfredTWEnv
+
+  config = {"env": {"goal_desc_human_anns_prob": 0, "task_types": [1, 2, 3, 4, 5, 6], "domain_randomization": False,
+                    "expert_type": "handcoded"},
+            "dataset": {"data_path": str(root / "train"), "num_train_games": -1},
+            "general": {"training_method": "dagger"}, "dagger": {"training": {"max_nb_steps_per_episode": 50}}}
+  alfred = AlfredTWEnv(config, train_eval="train")
+  assert sorted(alfred.game_files) == sorted(t.param["game_file"] for t in train_tasks)
+  alfred.game_files = [train_tasks[1].param["game_file"]]  # look_at: its AlfredExpert (hand-coded) wins it
+  env = alfred.init_env(batch_size=1)
+  try:
+    _, infos = env.reset()
+    for _ in range(50):
+      _, _, dones, infos = env.step([infos["extra.expert_plan"][0][0]])
+      if dones[0]:
+        break
+    assert infos["won"] == [True]
+  finally:
+    env.close()
+
+
 def test_generation_is_reproducible_and_splits_by_floor_plan(root, train_tasks, tmp_path):
   again = games.generate_games(tmp_path, ["look_at_obj_in_light"], n_per_type=1, split="train", seed=0)
   first = games.game_dir("train", "look_at_obj_in_light", 0, root)
@@ -202,6 +224,8 @@ def test_state_mapper_on_alfworld_sentences():
   b = aw.advance(b, "You move the apple 2 to the cabinet 1.")
   assert (b.location, b.seen, b.inventory) == ("cabinet 1", ("apple 2",), ())
   assert aw.advance(b, "You are carrying: a mug 1.").inventory == ("mug 1",)
+  beside = aw.advance(b, "You open the drawer 2. The drawer 2 is open. In it, you see a pen 1.")  # shares the spot
+  assert (beside.location, beside.status, beside.seen) == ("drawer 2", "open", ("pen 1",))
   help_text = aw.advance(b, "\nAvailable commands:\n  look:    look around\n").feedback
   assert help_text == "Available commands: look: look around"
   assert aw.render_state(b) == ("Location: cabinet 1\nYou see: apple 2\nInventory: nothing\n"

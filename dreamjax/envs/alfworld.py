@@ -106,13 +106,15 @@ def advance(belief: Belief, feedback: str) -> Belief:
   matches = sorted((m.start(), kind, m) for kind, rule in _RULES for m in rule.finditer(text))
   for _, kind, m in matches:
     g = m.groupdict()
-    if kind == "arrive":
+    if kind in ("arrive", "opened", "inside", "closed", "on", "close") and g["r"] != b.location:
+      # A receptacle sharing the agent's location (drawers 1 and 2 at one spot) can be opened or examined from there;
+      # what the agent then knows is that one's.
       b = dataclasses.replace(b, location=g["r"], status="", seen=())
-    elif kind in ("inside", "opened") and g["r"] == b.location:
+    if kind in ("inside", "opened"):
       b = dataclasses.replace(b, status="open", seen=_sorted(_items(g["items"])) if "items" in g else b.seen)
-    elif kind in ("closed", "close") and g["r"] == b.location:
+    elif kind in ("closed", "close"):
       b = dataclasses.replace(b, status="closed", seen=())
-    elif kind == "on" and g["r"] == b.location:
+    elif kind == "on":
       b = dataclasses.replace(b, seen=_sorted(_items(g["items"])))
     elif kind == "take":
       b = dataclasses.replace(b, inventory=_sorted(b.inventory + (g["o"],)),

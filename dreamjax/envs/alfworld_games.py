@@ -561,6 +561,7 @@ def _publish(folder: Path, game: dict, problem: str, traj: dict) -> Path:
   folder.parent.mkdir(parents=True, exist_ok=True)
   tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
   try:
+    tmp.chmod(0o755)  # mkdtemp's 0700 would hide the cache from other users of a shared ALFWORLD_DATA
     (tmp / "initial_state.pddl").write_text(problem)
     (tmp / "traj_data.json").write_text(json.dumps(traj, indent=2, sort_keys=True) + "\n")
     (tmp / "game.tw-pddl").write_text(json.dumps(game, sort_keys=True) + "\n")
