@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dreamjax.envs import alfworld_games as games
-from dreamjax.envs.base import Observation, StepResult, Task
+from dreamjax.envs.base import Observation, StepResult, Task, normalize_action
 
 INVALID_FEEDBACK = "Nothing happens."  # PddlEnv's reply to any command outside its admissible commands
 EXPERTS = ("auto", "handcoded", "planner")
@@ -39,10 +39,6 @@ EXPERTS = ("auto", "handcoded", "planner")
 PLANNER_RESERVE = 15
 STATE_FIELDS = ("Location", "You see", "Inventory", "Feedback")
 MIDDLE = "middle of the room"
-
-
-def normalize_action(text: str) -> str:
-  return " ".join(text.split()).lower()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

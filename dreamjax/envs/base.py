@@ -26,6 +26,11 @@ def _freeze(value: Any) -> Any:
   return value
 
 
+def normalize_action(text: str) -> str:
+  """Text actions compared the way text envs match commands: whitespace collapsed, lower case."""
+  return " ".join(text.split()).lower()
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
   """One episode's specification: which env, which game/seed/goal, and the instruction the agent is given."""

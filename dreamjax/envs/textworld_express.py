@@ -19,15 +19,11 @@ import re
 import subprocess
 from typing import Any
 
-from dreamjax.envs.base import Observation, StepResult, Task
+from dreamjax.envs.base import Observation, StepResult, Task, normalize_action
 
 INVALID_FEEDBACK = "Unknown action: I'm not sure what you mean."  # TWX's own reply to a string outside validActions
 SPLITS = ("train", "dev", "test")
 STATE_FIELDS = ("Location", "You see", "Exits", "Inventory", "Feedback", "Notes")
-
-
-def normalize_action(text: str) -> str:
-  return " ".join(text.split()).lower()
 
 
 def canonical_params(params: str) -> str:
