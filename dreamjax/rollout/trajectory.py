@@ -1,0 +1,56 @@
+"""What the rollout engine hands to the update: token-in/token-out turn rows plus per-episode outcomes.
+
+The agent sees one prompt per turn (task, step count, recent history, current state, admissible actions; PAPER.md
+"Agent prompt"), so a turn is the unit of the token arrays: row m holds turn `turn[m]` of episode `episode[m]`, its
+prompt ids exactly as the sampler consumed them followed by the sampled action ids exactly as produced. Nothing is
+re-tokenised between rollout and update, so `rollout_logp` lines up with what the update recomputes.
+
+Alignment: `rollout_logp[m, t]` is the log-prob of `tokens[m, t]` (a sampled token) under the rollout policy given
+`tokens[m, :t]`; the update computes the same quantity from logits at t - 1. `loss_mask` is 1 exactly on the sampled
+tokens (Kind.ACTION), including the stop token, and 0 on prompts and padding.
+
+Episode e has turns `turn_rows[e, :num_turns[e]]` (row indices into the turn arrays, -1 after the last). Episodes with
+the same task in one batch share `group[e]` (the GRPO group).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from dreamjax.data.records import TrajectoryRecord
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectories:
+  # Turn rows, M of them, right-padded to a common length T with pad ids (Kind.PAD in `kinds`).
+  tokens: np.ndarray  # int32 [M, T]
+  kinds: np.ndarray  # int32 [M, T]: dreamjax.text.Kind codes
+  loss_mask: np.ndarray  # int32 [M, T]: 1 on sampled action tokens
+  rollout_logp: np.ndarray  # float32 [M, T]: sampler log-probs on sampled tokens, 0 elsewhere
+  lengths: np.ndarray  # int32 [M]: prompt + action tokens
+  prompt_lengths: np.ndarray  # int32 [M]
+  episode: np.ndarray  # int32 [M]: episode index
+  turn: np.ndarray  # int32 [M]: turn index within its episode
+  reward: np.ndarray  # float32 [M]: reward returned by the env for this turn's action
+  done: np.ndarray  # bool [M]: the env ended the episode on this turn
+  invalid: np.ndarray  # bool [M]: the answer did not parse or the env rejected the action
+  truncated: np.ndarray  # bool [M]: the action hit the per-turn token budget without a stop sequence
+  # Episodes, N of them.
+  group: np.ndarray  # int32 [N]: same task in the same batch -> same group
+  task_index: np.ndarray  # int32 [N]: index into the task list given to the engine
+  num_turns: np.ndarray  # int32 [N]
+  turn_rows: np.ndarray  # int32 [N, max_turns]: row of each turn, -1 past the end
+  episode_reward: np.ndarray  # float32 [N]: sum of turn rewards (outcome reward: 1.0 on success)
+  success: np.ndarray  # bool [N]
+  ended: np.ndarray  # bool [N]: the env ended the episode (False: turn or token budget ran out)
+  records: tuple[TrajectoryRecord, ...]  # the same episodes as text (for the replay buffer and logs)
+
+  @property
+  def num_rows(self) -> int:
+    return int(self.tokens.shape[0])
+
+  @property
+  def num_episodes(self) -> int:
+    return int(self.group.shape[0])
