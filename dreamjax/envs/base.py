@@ -111,11 +111,15 @@ class Env(Protocol):
 
 @runtime_checkable
 class BatchEnv(Protocol):
-  """Many episodes stepped together; rows that are done receive `None` and return their last result unchanged."""
+  """Many episodes stepped together.
+
+  A row given `None` is not stepped: its entry is its last result unchanged, or None if it was never stepped. Finished
+  rows must get None; live rows may (the rollout engine skips rows whose answer did not parse).
+  """
 
   def reset_batch(self, tasks: Sequence[Task]) -> list[Observation]: ...
 
-  def step_batch(self, actions: Sequence[str | None]) -> list[StepResult]: ...
+  def step_batch(self, actions: Sequence[str | None]) -> list[StepResult | None]: ...
 
   def close(self) -> None: ...
 
@@ -133,7 +137,7 @@ class SerialBatchEnv:
     self._last = [None] * len(tasks)
     return [env.reset(task) for env, task in zip(self.envs, tasks)]
 
-  def step_batch(self, actions: Sequence[str | None]) -> list[StepResult]:
+  def step_batch(self, actions: Sequence[str | None]) -> list[StepResult | None]:
     if len(actions) != len(self._last):
       raise ValueError(f"step_batch: {len(actions)} actions for {len(self._last)} episodes")
     for i, action in enumerate(actions):
@@ -141,8 +145,6 @@ class SerialBatchEnv:
         if self._last[i] is not None and self._last[i].done:
           raise ValueError(f"step_batch: row {i} is done; pass None for finished rows")
         self._last[i] = self.envs[i].step(action)
-      elif self._last[i] is None:
-        raise ValueError(f"step_batch: row {i} got None before its first step")
     return list(self._last)
 
   def close(self) -> None:

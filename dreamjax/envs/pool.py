@@ -253,7 +253,7 @@ class EnvPool:
     self._fail_lost(lost)
     return list(self._obs)
 
-  def step_batch(self, actions: Sequence[str | None]) -> list[StepResult]:
+  def step_batch(self, actions: Sequence[str | None]) -> list[StepResult | None]:
     self._check_open()
     if len(actions) != len(self._last):
       raise ValueError(f"step_batch: {len(actions)} actions for {len(self._last)} episodes")
@@ -262,9 +262,8 @@ class EnvPool:
       if self._unreported[i]:
         continue  # the pool ended this episode (e.g. its reset failed); the failure is returned now
       if action is None:
-        if self._last[i] is None:
-          raise ValueError(f"step_batch: row {i} got None before its first step")
-      elif self._last[i] is not None and self._last[i].done:
+        continue  # not stepped this call (finished, or the caller skips it)
+      if self._last[i] is not None and self._last[i].done:
         raise ValueError(f"step_batch: row {i} is done; pass None for finished rows")
       else:
         todo[i] = action
