@@ -1,0 +1,1 @@
+"""dreamjax.curriculum (see the modules; DESIGN.md describes the layout)."""

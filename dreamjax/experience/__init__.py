@@ -1,0 +1,1 @@
+"""dreamjax.experience (see the modules; DESIGN.md describes the layout)."""

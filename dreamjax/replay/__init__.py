@@ -1,0 +1,1 @@
+"""dreamjax.replay (see the modules; DESIGN.md describes the layout)."""

@@ -1,0 +1,1 @@
+"""dreamjax.rl (see the modules; DESIGN.md describes the layout)."""

@@ -1,0 +1,1 @@
+"""dreamjax.rollout (see the modules; DESIGN.md describes the layout)."""

@@ -1,0 +1,1 @@
+"""dreamjax.train (see the modules; DESIGN.md describes the layout)."""
