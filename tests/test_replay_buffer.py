@@ -1,0 +1,306 @@
+"""Replay buffer: round trip, ids, segments, seeding once per tag, readers beside a writer, errors, and recovery from
+SIGKILL at random moments of a real writer process."""
+
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dreamjax.data.jsonl import JsonlWriter, dumps
+from dreamjax.data.records import StepRecord, TrajectoryRecord
+from dreamjax.envs.base import Task
+from dreamjax.replay import buffer as buffer_module
+from dreamjax.replay.buffer import FORMAT, MANIFEST, ReplayBuffer, UncommittedDataWarning
+from dreamjax.replay.transition import ReplayTransition, from_trajectories
+from tests import replay_writer_child as child
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _t(i: int, source: str = "synthetic") -> ReplayTransition:
+  task = Task.make("alfworld", f"pick/{i % 3}", "Put a mug in the sink.", seed=i, split="train", extra={"a": [1, 2]})
+  return ReplayTransition(f"ep{i // 4}", i % 4, task, "Put a mug in the sink. é", f"You see a mug {i}.\n\tTab",
+                          f"take mug {i}", f"You hold mug {i} ✓", 1.0 if i % 4 == 3 else 0.0, i % 4 == 3, i % 7 == 0,
+                          i % 5 == 0, source, 2 if source != "offline" else -1)
+
+
+def _record(i: int, n: int) -> TrajectoryRecord:
+  task = Task.make("textworld_express", f"coin/train/{i}", "Find the coin.", game="coin", seed=i)
+  steps = tuple(StepRecord(f"room {j}", f"move {j}", f"room {j + 1}", float(j == n - 1), j == n - 1, j == n - 1,
+                           False, ("move", "look"), "expert") for j in range(n))
+  return TrajectoryRecord(f"expert:coin/{i}", "textworld_express", task, "Find the coin.", "expert", i, steps, True, n,
+                          1.0)
+
+
+def _segment_lines(folder: Path) -> list[bytes]:
+  return [line for p in sorted((folder / "segments").iterdir()) for line in p.read_bytes().splitlines()]
+
+
+@pytest.mark.parametrize("small_io", [False, True])
+def test_round_trip_ids_segments_and_stats(tmp_path, monkeypatch, small_io):
+  if small_io:  # exercise chunked scanning, partial flushes and block reads with the same data
+    for name, value in [("_SCAN_BYTES", 7), ("_FLUSH_BYTES", 100), ("_ITER_BLOCK", 3)]:
+      monkeypatch.setattr(buffer_module, name, value)
+  items = [_t(i, ("offline", "synthetic", "real_online")[i % 3]) for i in range(11)]
+  with ReplayBuffer(tmp_path / "b", records_per_segment=4) as buf:
+    assert len(buf) == 0 and list(buf.iter_from(0)) == [] and buf.append([]) == range(0, 0)
+    assert buf.append(items[:3]) == range(0, 3)
+    assert buf.append(iter(items[3:10])) == range(3, 10)  # any iterable, rolling over two segment boundaries
+    assert buf.append(items[10:]) == range(10, 11)
+    assert buf.get([5, 0, 10, 5]) == [items[5], items[0], items[10], items[5]]
+    assert buf.get(np.arange(11, dtype=np.int32)) == items
+    assert list(buf.iter_from(3)) == items[3:] and list(buf.iter_from(2, 9)) == items[2:9]
+  # The committed form is exactly the contract's JSON (keys sorted, one line each), in id order across segments.
+  assert sorted(p.name for p in (tmp_path / "b/segments").iterdir()) == ["000000.jsonl", "000001.jsonl", "000002.jsonl"]
+  assert _segment_lines(tmp_path / "b") == [dumps(t.to_json()).encode() for t in items]
+  with ReplayBuffer(tmp_path / "b", read_only=True) as again:
+    assert len(again) == 11 and list(again.iter_from(0)) == items and again.verify() == 11
+    s = again.stats()
+    assert (s.total, s.segments, s.seeds) == (11, 3, {})
+    assert s.by_source == {"offline": 4, "synthetic": 4, "real_online": 3}
+    assert s.bytes == sum(p.stat().st_size for p in (tmp_path / "b/segments").iterdir())
+  with ReplayBuffer(tmp_path / "b") as buf:  # reopened for writing: ids go on from the committed end
+    assert buf.append(items[:2]) == range(11, 13) and buf.get([12]) == [items[1]]
+
+
+def test_cache_returns_the_same_transitions_and_stays_bounded(tmp_path):
+  items = [_t(i) for i in range(20)]
+  with ReplayBuffer(tmp_path / "b", records_per_segment=8, cache_size=5) as buf:
+    buf.append(items)
+    ids = [3, 17, 3, 9, 0, 12, 19, 3, 4, 5, 6, 7]
+    assert buf.get(ids) == [items[i] for i in ids] and buf.get(ids) == [items[i] for i in ids]
+    assert len(buf._cache) == 5 and list(buf._cache) == [3, 4, 5, 6, 7]
+
+
+def test_seed_once_per_tag_from_a_file_or_records(tmp_path):
+  records = [_record(i, n) for i, n in enumerate([3, 1, 4])]
+  path = tmp_path / "trajectories.jsonl"
+  with JsonlWriter(path) as w:
+    for r in records:
+      w.write(r.to_json())
+  expected = list(from_trajectories(records, "offline", -1))
+  with ReplayBuffer(tmp_path / "b", records_per_segment=3) as buf:
+    assert buf.seed(path, "twx") == range(0, 8)
+    assert buf.seed(path, "twx") == range(0, 8) and len(buf) == 8
+    online = [_t(i) for i in range(2)]
+    buf.append(online)
+    assert buf.seed(records[:1], "mine", source="real_online", policy_version=4) == range(10, 13)
+    assert buf.seed([_t(5, "offline")], "one transition") == range(13, 14)
+    assert buf.seed([], "empty") == range(14, 14)
+  path.unlink()  # a committed tag is a no-op that reads nothing, also after a resume
+  with ReplayBuffer(tmp_path / "b") as buf:
+    assert buf.seed(path, "twx") == range(0, 8) and buf.seed([_record(9, 2)], "mine") == range(10, 13)
+    assert buf.seed([], "empty") == range(14, 14) and len(buf) == 14
+    assert list(buf.iter_from(0)) == expected + online + [
+        dataclasses.replace(t, source="real_online", policy_version=4) for t in expected[:3]] + [_t(5, "offline")]
+    s = buf.stats()
+    assert s.seeds == {"twx": range(0, 8), "mine": range(10, 13), "one transition": range(13, 14),
+                       "empty": range(14, 14)}
+    assert s.by_source == {"offline": 9, "synthetic": 2, "real_online": 3}
+    with pytest.raises(ValueError, match="seed tag must be a non-empty string"):
+      buf.seed(records, "")
+
+
+def test_reader_sees_the_committed_prefix_and_refresh_catches_up(tmp_path):
+  items = [_t(i) for i in range(10)]
+  with ReplayBuffer(tmp_path / "b", records_per_segment=3) as w:
+    w.append(items[:2])
+    r = ReplayBuffer(tmp_path / "b", read_only=True)
+    assert len(r) == 2 and r.refresh() == 0
+    w.append(items[2:7])
+    assert len(r) == 2 and r.get([1]) == [items[1]]
+    with pytest.raises(IndexError, match="id 2 out of range"):
+      r.get([2])
+    assert r.refresh() == 5 and len(r) == 7 and list(r.iter_from(0)) == items[:7]
+    w.append(items[7:])
+    w.seed([_t(0, "offline")], "late")
+    assert r.refresh() == 4 and r.get([9, 2]) == [items[9], items[2]] and r.stats().seeds == {"late": range(10, 11)}
+    with pytest.raises(PermissionError, match="opened read_only"):
+      r.append(items)
+    r.close()
+
+
+def test_failed_append_rolls_back_and_names_the_item(tmp_path):
+  items = [_t(i) for i in range(6)]
+  with ReplayBuffer(tmp_path / "b", records_per_segment=2) as buf:
+    buf.append(items[:3])
+    sizes = {p.name: p.stat().st_size for p in (tmp_path / "b/segments").iterdir()}
+    nan = dataclasses.replace(items[4], reward=float("nan"))
+    with pytest.raises(ValueError, match=r"append item 3 \(episode 'ep1' step 0\): field 'reward': expected a finite"):
+      buf.append(items[3:] + [nan])  # the bad item comes after two segment rolls were written
+    with pytest.raises(TypeError, match="append item 1: expected a ReplayTransition, got dict"):
+      buf.append([items[0], items[1].to_json()])
+    np_param = dataclasses.replace(items[0], task=Task.make("alfworld", "x", seed=np.int64(3)))
+    with pytest.raises(ValueError, match="append item 0 .*not JSON-serialisable"):
+      buf.append([np_param])
+
+    def boom():
+      yield items[3]
+      raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+      buf.append(boom())
+    assert len(buf) == 3 and {p.name: p.stat().st_size for p in (tmp_path / "b/segments").iterdir()} == sizes
+    assert buf.append(items[3:]) == range(3, 6) and list(buf.iter_from(0)) == items
+
+
+def _corrupt(folder: Path, segment: str, line: int, text: str) -> Path:
+  """Rewrites one committed line in place keeping its length, as disk corruption or a stray edit would."""
+  p = folder / "segments" / segment
+  lines = p.read_bytes().split(b"\n")
+  old = lines[line - 1]
+  lines[line - 1] = text.encode().ljust(len(old), b" ")[:len(old)]
+  p.write_bytes(b"\n".join(lines))
+  return p
+
+
+def test_errors_name_file_and_line(tmp_path):
+  folder = tmp_path / "b"
+  with ReplayBuffer(folder, records_per_segment=3) as buf:
+    buf.append([_t(i) for i in range(6)])
+  p = _corrupt(folder, "000001.jsonl", 2, '{"oops')
+  with ReplayBuffer(folder, read_only=True) as r:
+    assert r.get([3, 5]) == [_t(3), _t(5)]  # open only indexes; the bad line fails when read
+    with pytest.raises(ValueError, match=rf"^{p}:2: not valid JSON"):
+      r.get([4])
+    with pytest.raises(ValueError, match=rf"^{p}:2: not valid JSON"):
+      r.verify()
+  good = dumps(_t(4).to_json())
+  for bad, message in [(good.replace('"reward":0.0', '"reward":"0"'), "field 'reward': expected a finite number"),
+                       (good.replace('"done":false', '"done":0'), "field 'done': expected true or false"),
+                       (good.replace('"source":"synthetic"', '"source":"dream"'), "field 'source': expected one of offline, synthetic"),
+                       (good.replace('"action":', '"actio":'), "field 'action': missing"),
+                       ("[1, 2]", "expected a JSON object")]:
+    _corrupt(folder, "000001.jsonl", 2, bad)
+    with ReplayBuffer(folder, read_only=True) as r, pytest.raises(ValueError, match=rf"^{p}:2: .*{message}"):
+      r.get([4])
+
+
+def test_refuses_other_formats_foreign_folders_second_writers_and_lost_data(tmp_path):
+  folder = tmp_path / "b"
+  with ReplayBuffer(folder, records_per_segment=3) as buf:
+    buf.append([_t(i) for i in range(5)])
+    with pytest.raises(RuntimeError, match=rf"already open for writing by process {os.getpid()}"):
+      ReplayBuffer(folder)
+    with pytest.raises(ValueError, match="records_per_segment is 3; cannot open it with 4"):
+      ReplayBuffer(folder, read_only=True, records_per_segment=4)
+    with pytest.raises(IndexError, match="id -1 out of range"):
+      buf.get([-1])
+  manifest = json.loads((folder / MANIFEST).read_text())
+  (folder / MANIFEST).write_text(json.dumps({**manifest, "format": "dreamjax.replay.v2"}))
+  for read_only in (True, False):
+    with pytest.raises(ValueError, match=rf"{folder / MANIFEST}: written in format 'dreamjax.replay.v2', this "
+                                         rf"dreamjax reads '{FORMAT}'; refusing"):
+      ReplayBuffer(folder, read_only=read_only)
+  segments = [{"records": 3, "bytes": "1"}] + manifest["segments"][1:]
+  for bad in [{"total": 6}, {"segments": segments}, {"seeds": {"a": [4, 2]}}, {"by_source": {"offline": 5}}]:
+    (folder / MANIFEST).write_text(json.dumps({**manifest, **bad}))
+    with pytest.raises(ValueError, match=rf"{folder / MANIFEST}: malformed manifest"):
+      ReplayBuffer(folder, read_only=True)
+  (folder / MANIFEST).write_text("{")
+  with pytest.raises(ValueError, match=rf"{folder / MANIFEST}: not valid JSON"):
+    ReplayBuffer(folder)
+  (folder / MANIFEST).write_text(json.dumps(manifest))
+  seg = folder / "segments/000001.jsonl"
+  seg.write_bytes(seg.read_bytes()[:-10])
+  with pytest.raises(ValueError, match=rf"{seg}: holds \d+ bytes but the manifest commits \d+: committed data was lost"):
+    ReplayBuffer(folder)
+  (tmp_path / "other").mkdir()
+  (tmp_path / "other/notes.txt").write_text("x")
+  with pytest.raises(FileExistsError, match="holds 'notes.txt' but no MANIFEST.json: not a replay buffer"):
+    ReplayBuffer(tmp_path / "other")
+  with pytest.raises(FileNotFoundError, match="MANIFEST.json: missing: not a replay buffer"):
+    ReplayBuffer(tmp_path / "none", read_only=True)
+
+
+def test_uncommitted_tail_and_segments_are_ignored_by_readers_and_removed_by_the_writer(tmp_path):
+  folder = tmp_path / "b"
+  items = [_t(i) for i in range(5)]
+  with ReplayBuffer(folder, records_per_segment=3) as buf:
+    buf.append(items[:4])
+  seg1, seg2 = folder / "segments/000001.jsonl", folder / "segments/000002.jsonl"
+  committed = seg1.read_bytes()
+  # What a writer killed mid-append leaves: complete and torn lines past the committed end, and a new segment file.
+  seg1.write_bytes(committed + (dumps(items[4].to_json()) + "\n").encode() + b'{"episode_id": "to')
+  seg2.write_bytes(b'{"torn')
+  with ReplayBuffer(folder, read_only=True) as r:
+    assert len(r) == 4 and list(r.iter_from(0)) == items[:4] and seg1.read_bytes() != committed
+  with pytest.warns(UncommittedDataWarning, match=r"000001.jsonl: \d+ bytes past line 1.*000002.jsonl: uncommitted"):
+    buf = ReplayBuffer(folder)
+  assert seg1.read_bytes() == committed and not seg2.exists() and len(buf) == 4
+  assert buf.append(items[4:]) == range(4, 5) and list(buf.iter_from(0)) == items
+  buf.close()
+
+
+def _child(folder: Path, max_batches: int) -> subprocess.Popen:
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  return subprocess.Popen([sys.executable, str(ROOT / "tests/replay_writer_child.py"), str(folder), "5",
+                           str(max_batches)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _torn(folder: Path) -> bool:
+  """Whether the folder holds uncommitted bytes or segment files (the kill landed inside an append)."""
+  m = json.loads((folder / MANIFEST).read_text())
+  files = sorted((folder / "segments").iterdir())
+  return len(files) > len(m["segments"]) or any(p.stat().st_size > s["bytes"] for p, s in zip(files, m["segments"]))
+
+
+def test_sigkill_at_random_moments_loses_no_committed_batch(tmp_path):
+  folder, rng = tmp_path / "b", random.Random(0)
+  acknowledged, torn, kills = 0, 0, 8
+  reader = None
+  for trial in range(kills):
+    proc = _child(folder, max_batches=100_000)
+    printed: list[int] = []
+    pump = threading.Thread(target=lambda p=proc, out=printed: out.extend(int(x) for x in p.stdout), daemon=True)
+    pump.start()
+    try:
+      deadline = time.monotonic() + 20
+      while len(printed) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+      assert proc.poll() is None, proc.stderr.read()
+      # A reader in this process follows the writer: every refresh shows whole batches, exactly as sent.
+      if reader is None:
+        reader = ReplayBuffer(folder, read_only=True)
+      seen = len(reader)
+      stop_at = time.monotonic() + rng.uniform(0.0, 0.25)
+      while time.monotonic() < stop_at:
+        reader.refresh()
+        assert len(reader) in child.BOUNDARIES and reader.get(range(seen, len(reader))) == [
+            child.expected(i) for i in range(seen, len(reader))]
+        seen = len(reader)
+      time.sleep(rng.uniform(0.0, 0.004))
+    finally:
+      proc.send_signal(signal.SIGKILL)  # also when a check above failed: never leave the writer running
+      proc.wait()
+      pump.join()
+    acknowledged = max([acknowledged] + printed)
+    torn += _torn(folder)
+    with ReplayBuffer(folder, read_only=True) as r:
+      n = len(r)
+      assert n >= acknowledged, f"trial {trial}: committed {acknowledged} but only {n} recovered"
+      assert n in child.BOUNDARIES, f"trial {trial}: {n} ends inside a batch"
+      assert list(r.iter_from(0)) == [child.expected(i) for i in range(n)]
+    reader.refresh()
+    assert len(reader) == n
+  reader.close()
+  # The writer returns after a recovery that dropped whatever the last kill left, and appends the next batch.
+  with pytest.warns(UncommittedDataWarning) if _torn(folder) else contextlib.nullcontext():
+    buf = ReplayBuffer(folder, records_per_segment=5)
+  with buf:
+    b = child.BOUNDARIES.index(len(buf))
+    assert buf.append(child.batch(b)) == range(child.BOUNDARIES[b], child.BOUNDARIES[b + 1])
+    assert buf.verify() == len(buf) and buf.get([len(buf) - 1]) == [child.expected(len(buf) - 1)]
+    print(f"{kills} kills, {torn} inside an append; {len(buf)} transitions in {buf.stats().segments} segments")
+  # Kills land inside appends most of the time (the fsyncs dominate an append); the tail handling is exercised.
+  assert torn >= 1
