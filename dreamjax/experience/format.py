@@ -1,0 +1,320 @@
+"""The experience model's text interface: the prompt it reads, the target it is trained to write, and the parser.
+
+M_exp sees [task instruction, optional tutorial, k retrieved past transitions, recent history, current state and
+action] and writes (PAPER.md "Experience model") a reasoning trace first, then the next state and the outcome:
+
+  <think>
+  why the action leads where it does
+  </think>
+  <next_state>
+  the whole next abstract state, in the env's own format
+  </next_state>
+  <reward>0</reward>
+  <done>false</done>
+  <success>false</success>
+
+Without reasoning (the ablation switch `ExpFormatConfig.reasoning=False`) the think block is absent. The target is
+appended to the prompt as the assistant turn with `Kind.ACTION`, so the SFT loss mask covers exactly the target
+tokens and its end-of-turn token: both terms of Eq. 5 (reasoning, then next state and reward) under one mask.
+
+Parsing is total: `parse_output` never raises. Anything it cannot read exactly (a missing, duplicated, nested or
+unterminated tag, text outside the blocks, a reward other than 0/1, a flag other than true/false, an empty state)
+becomes the failure outcome `ExpPrediction(ok=False, done=True, success=False, reward=0.0,
+next_state=FAILURE_STATE, error=...)`: the rollout sees the episode fail and metrics count the error.
+
+Rewards are binary and outcome-based (1 only on the step that ends a successful episode), so the outcome is a function
+of (done, success) and the three stated values must agree: reward 1 with done and success, reward 0 otherwise, and
+success only with done. A prediction that disagrees with itself (reward 1 but done false, success without reward,
+...) is treated as malformed, never repaired: a model confused about the outcome must not be able to grant itself a
+reward it did not consistently claim. `render_target` refuses such combinations for the same reason.
+
+Prompts are deterministic text: the same inputs give the same tokens, and a section whose switch is off (retrieval,
+history, tutorial) is left out entirely rather than shown empty, so ablations differ only by those sections.
+States shown in the prompt are clipped to `max_state_chars`; targets are never clipped (the model must learn to
+write whole states).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+import numpy as np
+from jaxtyping import Int
+
+from dreamjax.text import Kind, SegmentBuilder, Tokenizer, policy_mask
+
+TAGS = ("think", "next_state", "reward", "done", "success")
+FAILURE_STATE = "The simulation failed: the experience model's prediction could not be read. The episode is over."
+_MARKERS = tuple(m for tag in TAGS for m in (f"<{tag}>", f"</{tag}>"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpFormatConfig:
+  reasoning: bool = True  # think block before the prediction (paper ablation: "without reasoning")
+  history: bool = True  # recent (state, action) pairs of this episode (quality study: "without history")
+  retrieval: bool = True  # top-k retrieved transitions from the replay buffer (ablation: "without replay")
+  tutorial: bool = False  # the annotator's task tutorial (overall plan, success and failure modes) in the prompt
+  max_history: int = 4  # most recent (state, action) pairs shown
+  k: int = 3  # retrieved transitions shown (the first k given)
+  max_state_chars: int = 2000  # each state shown in the prompt (current, history, retrieved) is clipped to this
+  max_action_chars: int = 300
+  max_tutorial_chars: int = 2000
+
+  def __post_init__(self):
+    for name in ("max_history", "k"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"ExpFormatConfig.{name} must be >= 0, got {getattr(self, name)}")
+    for name in ("max_state_chars", "max_action_chars", "max_tutorial_chars"):
+      if getattr(self, name) < 16:
+        raise ValueError(f"ExpFormatConfig.{name} must be >= 16, got {getattr(self, name)}")
+
+
+class TransitionLike(Protocol):
+  """What a retrieved example must have: `ReplayTransition` and `dreamjax.data.records.Transition` both do."""
+
+  state: str
+  action: str
+  next_state: str
+  reward: float
+  done: bool
+  success: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpPrediction:
+  next_state: str
+  reward: float
+  done: bool
+  success: bool
+  reasoning: str  # "" when absent or unreadable
+  ok: bool  # False: the output was malformed and the fields hold the failure outcome
+  error: str  # what was wrong ("" when ok)
+
+  @classmethod
+  def failure(cls, error: str, reasoning: str = "") -> ExpPrediction:
+    return cls(FAILURE_STATE, 0.0, True, False, reasoning, False, error)
+
+
+class SFTExample(NamedTuple):
+  ids: Int[np.ndarray, " T"]  # prompt then target, int32
+  kinds: Int[np.ndarray, " T"]  # dreamjax.text.Kind codes
+  loss_mask: Int[np.ndarray, " T"]  # 1 on the target tokens and the end-of-turn token closing them
+
+
+# --- the prompt ------------------------------------------------------------------------------------------------------
+
+
+def system_prompt(cfg: ExpFormatConfig) -> str:
+  think = ("<think>\nhow the action changes the state: whether it is valid here, what it affects, and whether the task "
+           "is now complete or failed\n</think>\n") if cfg.reasoning else ""
+  first = "First reason step by step, then predict" if cfg.reasoning else "Predict"
+  return (
+      "You simulate an interactive environment for an agent. You are given the agent's task, examples of similar "
+      "past transitions, the recent history of the episode, the current state and the agent's action. "
+      f"{first} the environment's response: the next state, written in exactly the same format as the states you "
+      "are shown, and the outcome.\n"
+      "Answer in exactly this format:\n"
+      f"{think}<next_state>\nthe whole next state\n</next_state>\n<reward>0 or 1</reward>\n"
+      "<done>true or false</done>\n<success>true or false</success>\n"
+      "The reward is 1 only when the action completes the task, and then done and success are true. An invalid or "
+      "useless action changes nothing but the feedback. When the episode ends without completing the task, done is "
+      "true, success false and the reward 0."
+  )
+
+
+def clip(text: str, n: int) -> str:
+  """`text` cut to at most n characters, marked with "..." where cut."""
+  return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _flag(value: bool) -> str:
+  return "true" if value else "false"
+
+
+def _reward_text(reward: float) -> str:
+  if reward not in (0.0, 1.0):
+    raise ValueError(f"reward {reward!r} is not binary: this project's rewards are 0 or 1")
+  return "1" if reward == 1.0 else "0"
+
+
+def render_example(cfg: ExpFormatConfig, t: TransitionLike) -> str:
+  """One retrieved transition, compactly: (state, action -> next state, reward, done, success)."""
+  return (f"State:\n{clip(t.state, cfg.max_state_chars)}\nAction: {clip(t.action, cfg.max_action_chars)}\n"
+          f"Next state:\n{clip(t.next_state, cfg.max_state_chars)}\n"
+          f"Reward: {float(t.reward):g}, done: {_flag(t.done)}, success: {_flag(t.success)}")
+
+
+def render_user(cfg: ExpFormatConfig, instruction: str, history: Sequence[tuple[str, str]],
+                retrieved: Sequence[TransitionLike], state: str, action: str, tutorial: str = "",
+                step: int | None = None) -> str:
+  """The user message. `history` is the episode's (state, action) pairs before this step, oldest first (pass them
+  all: the last `max_history` are shown); `step` is the current step's index, by default len(history)."""
+  step = len(history) if step is None else step
+  parts = [f"# Task\n{instruction.strip() or '(no instruction)'}"]
+  if cfg.tutorial and tutorial.strip():
+    parts.append(f"# Tutorial\n{clip(tutorial.strip(), cfg.max_tutorial_chars)}")
+  if cfg.retrieval and cfg.k and retrieved:
+    shown = list(retrieved)[: cfg.k]
+    parts.append("# Similar past transitions\n" + "\n\n".join(
+        f"## Example {i + 1}\n{render_example(cfg, t)}" for i, t in enumerate(shown)))
+  if cfg.history and cfg.max_history and history:
+    kept = list(history)[-cfg.max_history :]
+    first = step - len(kept)
+    omitted = f" ({first} earlier steps not shown)" if first > 0 else ""
+    parts.append(f"# History, oldest first{omitted}\n" + "\n\n".join(
+        f"## Step {first + i + 1}\nState:\n{clip(s, cfg.max_state_chars)}\nAction: {clip(a, cfg.max_action_chars)}"
+        for i, (s, a) in enumerate(kept)))
+  parts.append(f"# Current state (step {step + 1})\n{clip(state, cfg.max_state_chars)}")
+  parts.append(f"# Action\n{clip(action, cfg.max_action_chars)}")
+  return "\n\n".join(parts)
+
+
+def build_prompt(tokenizer: Tokenizer, cfg: ExpFormatConfig, instruction: str, history: Sequence[tuple[str, str]],
+                 retrieved: Sequence[TransitionLike], state: str, action: str, tutorial: str = "",
+                 step: int | None = None) -> SegmentBuilder:
+  """The prompt as token segments: a system message (the job and the output format), then one user message.
+
+  `builder.prompt()` gives the ids to sample from; `builder.append(Kind.ACTION, target)` the SFT example.
+  """
+  user = render_user(cfg, instruction, history, retrieved, state, action, tutorial, step)
+  return SegmentBuilder(tokenizer).append(Kind.SYSTEM, system_prompt(cfg)).append(Kind.TASK, user)
+
+
+# --- the target ------------------------------------------------------------------------------------------------------
+
+
+def check_outcome(reward: float, done: bool, success: bool) -> str:
+  """"" when (reward, done, success) is a consistent binary outcome, else what is wrong with it."""
+  if reward not in (0.0, 1.0):
+    return f"reward {reward!r} is not 0 or 1"
+  if success and not done:
+    return "success is true but done is false"
+  if reward == 1.0 and not success:
+    return "reward is 1 but success is false"
+  if success and reward != 1.0:
+    return "success is true but the reward is 0"
+  return ""
+
+
+def render_target(cfg: ExpFormatConfig, reasoning: str, next_state: str, reward: float, done: bool,
+                  success: bool) -> str:
+  """The text M_exp is trained to write; `parse_output` reads it back exactly (tested).
+
+  Raises ValueError for an outcome that is not a consistent binary one, or for text that holds a format tag (it
+  would make the target unparseable).
+  """
+  problem = check_outcome(float(reward), bool(done), bool(success))
+  if problem:
+    raise ValueError(f"render_target: inconsistent outcome: {problem}")
+  fields = {"next_state": next_state} | ({"reasoning": reasoning} if cfg.reasoning else {})
+  for name, text in fields.items():
+    bad = next((m for m in _MARKERS if m in text), None)
+    if bad:
+      raise ValueError(f"render_target: {name} contains the format tag {bad!r}")
+  if not next_state.strip():
+    raise ValueError("render_target: next_state is empty")
+  think = f"<think>\n{reasoning}\n</think>\n" if cfg.reasoning else ""
+  return (f"{think}<next_state>\n{next_state}\n</next_state>\n<reward>{_reward_text(float(reward))}</reward>\n"
+          f"<done>{_flag(done)}</done>\n<success>{_flag(success)}</success>")
+
+
+def transition_target(cfg: ExpFormatConfig, t: TransitionLike, reasoning: str = "") -> str:
+  """The exact target text for a recorded transition (e.g. `dreamjax.data.records.Transition`)."""
+  return render_target(cfg, reasoning, t.next_state, t.reward, t.done, t.success)
+
+
+def sft_example(tokenizer: Tokenizer, cfg: ExpFormatConfig, instruction: str, history: Sequence[tuple[str, str]],
+                retrieved: Sequence[TransitionLike], state: str, action: str, target: str, tutorial: str = "",
+                step: int | None = None) -> SFTExample:
+  """Prompt segments plus `target` as the assistant turn: (ids, kinds, loss mask), all int32 [T]."""
+  builder = build_prompt(tokenizer, cfg, instruction, history, retrieved, state, action, tutorial, step)
+  ids, kinds = builder.append(Kind.ACTION, target).arrays()
+  return SFTExample(ids, kinds, policy_mask(kinds))
+
+
+def transition_example(tokenizer: Tokenizer, cfg: ExpFormatConfig, t, retrieved: Sequence[TransitionLike] = (),
+                       reasoning: str = "", tutorial: str = "") -> SFTExample:
+  """The SFT example of a `dreamjax.data.records.Transition` (its history, step index, state, action, outcome)."""
+  return sft_example(tokenizer, cfg, t.instruction, t.history, retrieved, t.state, t.action,
+                     transition_target(cfg, t, reasoning), tutorial, step=t.step)
+
+
+# --- the parser ------------------------------------------------------------------------------------------------------
+
+
+def _strip_one_newline(text: str) -> str:
+  text = text[1:] if text.startswith("\n") else text
+  return text[:-1] if text.endswith("\n") else text
+
+
+def _parse_flag(value: str, name: str) -> tuple[bool | None, str]:
+  v = value.strip().lower()
+  if v in ("true", "false"):
+    return v == "true", ""
+  return None, f"<{name}> is {clip(value.strip(), 40)!r}, expected true or false"
+
+
+def _parse_reward(value: str) -> tuple[float | None, str]:
+  try:
+    r = float(value.strip())
+  except ValueError:
+    r = math.nan
+  if r in (0.0, 1.0):
+    return r, ""
+  return None, f"<reward> is {clip(value.strip(), 40)!r}, expected 0 or 1"
+
+
+def parse_output(text: str, cfg: ExpFormatConfig) -> ExpPrediction:
+  """Reads M_exp's output (decoded without the end-of-turn token); never raises (see the module docstring)."""
+  if not isinstance(text, str):
+    return ExpPrediction.failure(f"output is a {type(text).__name__}, not text")
+  s = text.strip()
+  expected = TAGS if cfg.reasoning else TAGS[1:]
+  if not cfg.reasoning and ("<think>" in s or "</think>" in s):
+    return ExpPrediction.failure("unexpected <think> block: reasoning is off in this format")
+  blocks: dict[str, str] = {}
+  pos = 0
+  for tag in expected:
+    while pos < len(s) and s[pos].isspace():
+      pos += 1
+    opening, closing = f"<{tag}>", f"</{tag}>"
+    reasoning = blocks.get("think", "")
+    if not s.startswith(opening, pos):
+      where = s.find(opening, pos)
+      if where < 0:
+        return ExpPrediction.failure(f"missing <{tag}>", reasoning)
+      skipped = s[pos:where]
+      misplaced = next((m for m in _MARKERS if m in skipped), None)
+      if misplaced:
+        return ExpPrediction.failure(f"duplicated or misplaced {misplaced} before <{tag}>", reasoning)
+      return ExpPrediction.failure(f"unexpected text before <{tag}>: {clip(skipped.strip(), 40)!r}", reasoning)
+    start = pos + len(opening)
+    end = s.find(closing, start)
+    if end < 0:
+      return ExpPrediction.failure(f"missing </{tag}> (output cut off?)", reasoning)
+    content = s[start:end]
+    inner = next((m for m in _MARKERS if m in content), None)
+    if inner:
+      return ExpPrediction.failure(f"<{tag}> block contains {inner} (duplicated or nested tag)", reasoning)
+    blocks[tag] = _strip_one_newline(content)
+    pos = end + len(closing)
+  reasoning = blocks.get("think", "")
+  tail = s[pos:].strip()
+  if tail:
+    dup = next((m for m in _MARKERS if m in tail), None)
+    what = f"duplicated {dup}" if dup else f"unexpected text after </success>: {clip(tail, 40)!r}"
+    return ExpPrediction.failure(what, reasoning)
+  if not blocks["next_state"].strip():
+    return ExpPrediction.failure("empty <next_state>", reasoning)
+  reward, error = _parse_reward(blocks["reward"])
+  done, error = (None, error) if error else _parse_flag(blocks["done"], "done")
+  success, error = (None, error) if error else _parse_flag(blocks["success"], "success")
+  if error:
+    return ExpPrediction.failure(error, reasoning)
+  problem = check_outcome(reward, done, success)
+  if problem:
+    return ExpPrediction.failure(f"inconsistent outcome: {problem}", reasoning)
+  return ExpPrediction(blocks["next_state"], reward, done, success, reasoning, True, "")

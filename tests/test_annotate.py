@@ -1,0 +1,358 @@
+"""Rule-based reasoning annotation on real TextWorld-Express episodes and on ALFWorld/MiniWoB records built with those
+envs' own state mappers; annotation files (strict reading, resume) and the annotate_reasoning CLI."""
+
+import dataclasses
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from dreamjax.data.jsonl import JsonlWriter, PartialRecordWarning
+from dreamjax.data.records import StepRecord, TrajectoryRecord, read_trajectories, transitions
+from dreamjax.envs import alfworld as aw
+from dreamjax.envs import web_state as ws
+from dreamjax.envs.base import Task
+from dreamjax.experience.annotate import (
+    Annotation,
+    Annotator,
+    annotate_file,
+    check_annotation,
+    read_annotations,
+    ending,
+    rule_annotator,
+    success_references,
+    write_annotations,
+)
+from dreamjax.experience.annotate_rules import text_fields
+from dreamjax.experience.format import ExpFormatConfig, parse_output, transition_target
+
+TOOL = Path(__file__).parent.parent / "tools" / "annotate_reasoning.py"
+
+
+def _tool():
+  spec = importlib.util.spec_from_file_location("annotate_reasoning", TOOL)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _record(env, task_id, steps, instruction="Do it.", policy="expert", **params) -> TrajectoryRecord:
+  task = Task.make(env, task_id, instruction, **params)
+  return TrajectoryRecord(f"{policy}:{task_id}", env, task, instruction, policy, 0, tuple(steps),
+                          bool(steps) and steps[-1].success, len(steps), None)
+
+
+# --- real TextWorld-Express episodes ---------------------------------------------------------------------------------
+
+
+def _steps_from_env(env, task, actions) -> list[StepRecord]:
+  obs = env.reset(task)
+  steps = []
+  for action in actions:
+    action = env.expert_action() if action == "<expert>" else action
+    r = env.step(action)
+    steps.append(StepRecord(obs.state, action, r.observation.state, r.reward, r.done, r.success, r.invalid,
+                            obs.admissible, "policy"))
+    obs = r.observation
+    if r.done:
+      break
+  return steps
+
+
+@pytest.fixture(scope="module")
+def twx(tmp_path_factory):
+  pytest.importorskip("textworld_express")
+  from dreamjax.data.collect import CollectConfig, collect
+  from dreamjax.envs.textworld_express import TextWorldExpressEnv, tasks
+
+  out = tmp_path_factory.mktemp("twx")
+  cfg = CollectConfig(env_kwargs=("step_limit=50",), policies=("expert:3", "random:3"), num_workers=0,
+                      rows_per_worker=3, out_dir=str(out), progress=False, build_tfds=False)
+  collect(cfg)
+  records = read_trajectories(out / "trajectories.jsonl")
+  env = TextWorldExpressEnv(step_limit=6)
+  try:
+    task = tasks("coin", "train", 1, start=1, env=env)[0]
+    # Invalid actions that the env answers but does not execute, then the expert until the step limit.
+    limited = _steps_from_env(env, task, ["dance a jig", "<expert>", "take the moon"] + ["<expert>"] * 10)
+    env.invalid_action = "fail"
+    failed = _steps_from_env(env, task, ["<expert>", "fly away"])
+  finally:
+    env.close()
+  extra = [TrajectoryRecord(f"policy{i}:{task.task_id}", "textworld_express", task, task.instruction, f"policy{i}", 0,
+                            tuple(s), False, len(s), None) for i, s in enumerate([limited, failed])]
+  return out, records, extra
+
+
+def _twx_annotations(twx):
+  _, records, extra = twx
+  annotator = rule_annotator("textworld_express", step_limit=50, references=success_references(records))
+  return [(r, annotator.annotate(r)) for r in records] + [(r, rule_annotator("textworld_express", 6).annotate(r))
+                                                          for r in extra]
+
+
+def _inventory(state):
+  return [i for i in text_fields(state).get("Inventory", "").split(", ") if i and i != "nothing"]
+
+
+def test_twx_reasons_are_truthful_and_step_specific(twx):
+  _, records, extra = twx
+  assert sum(r.success for r in records) >= 2 and any(not r.success for r in records)
+  for record, a in _twx_annotations(twx):
+    assert isinstance(rule_annotator("textworld_express"), Annotator)
+    assert a.episode_id == record.episode_id and a.annotator == "rules:textworld_express"
+    assert len(a.reasons) == record.num_steps
+    n = record.num_steps
+    keys = {}
+    for j, (s, reason) in enumerate(zip(record.steps, a.reasons)):
+      # A reason is a function of what the step shows (and of its place in the outcome).
+      key = (s.state, s.action, s.next_state, s.invalid, s.source, n - j if record.success else j == n - 1)
+      assert keys.setdefault(key, reason) == reason
+      assert f'"{s.action}"' in reason
+      if s.invalid:
+        assert "is invalid here (it is not among the admissible actions)" in reason
+        assert "Unknown action: I'm not sure what you mean." in reason
+      else:
+        assert f"one of the {len(s.admissible)} admissible actions" in reason
+      before, after = text_fields(s.state), text_fields(s.next_state)
+      if before["Location"] != after["Location"]:
+        assert f"from the {before['Location']} to the {after['Location']}" in reason
+      for item in set(_inventory(s.next_state)) - set(_inventory(s.state)):
+        assert f"The inventory gains the {item}" in reason
+      for item in set(_inventory(s.state)) - set(_inventory(s.next_state)):
+        assert f"The inventory loses the {item}" in reason
+      if "Feedback" in after:
+        assert after["Feedback"][:60] in reason
+      if s.state == s.next_state:
+        assert "Nothing changes" in reason
+      assert ("The expert chose this action." in reason) == (s.source == "expert")
+      if record.success and j < n - 1:
+        assert f"{n - 1 - j} more step" in reason
+      if j < n - 1:
+        assert reason.endswith("The task is not complete yet: reward 0, and the episode goes on.")
+      assert ("reward 1" in reason) == s.success
+    # Specific to the step: repeats come only from steps with the same action and the same visible effect.
+    assert len(set(a.reasons)) >= 0.7 * n, (record.episode_id, len(set(a.reasons)), n)
+  by_id = {r.episode_id: a for r, a in _twx_annotations(twx)}
+  random_fail = next(r for r in records if r.policy == "random" and not r.success and r.num_steps == 50)
+  assert "This is step 50, the step limit" in by_id[random_fail.episode_id].reasons[-1]
+  limited, failed = extra
+  assert limited.steps[0].invalid and limited.steps[2].invalid and limited.num_steps == 6
+  assert by_id[limited.episode_id].reasons[-1].endswith("This is step 6, the step limit, so the episode ends without "
+                                                        "success: reward 0.")
+  assert failed.steps[-1].invalid and failed.num_steps == 2
+  assert by_id[failed.episode_id].reasons[-1].endswith("The invalid action ends the episode as a failure: reward 0.")
+
+
+def test_twx_tutorials(twx):
+  _, records, _ = twx
+  by_id = {r.episode_id: (r, a) for r, a in _twx_annotations(twx)}
+  for record, a in by_id.values():
+    lines = a.tutorial.splitlines()
+    assert lines[0] == f"Task: {' '.join(record.instruction.split())}"
+    assert lines[-1].startswith("Failure mode: An action outside the admissible list")
+    reference = record if record.success else success_references(records).get(record.task.task_id)
+    if reference is None:
+      assert "no successful run of this task is recorded" in a.tutorial
+      continue
+    plan = [s.action for s in reference.steps if not s.invalid and s.state != s.next_state]
+    assert f"; {len(plan)} steps that change the state): " + "; ".join(plan[:5]) in a.tutorial
+    assert f'when the action "{reference.steps[-1].action}" succeeds' in a.tutorial
+    if record.success:
+      assert "Plan (from this run;" in a.tutorial and f"this run succeeded in {record.num_steps} steps" in a.tutorial
+    else:
+      assert f"a successful run of this task, {reference.episode_id}" in a.tutorial
+      assert "this run failed: it reached the step limit of 50 steps" in a.tutorial
+
+
+def test_reasons_fit_the_experience_model_target(twx):
+  _, records, _ = twx
+  annotations = {r.episode_id: a for r, a in _twx_annotations(twx)}
+  cfg = ExpFormatConfig()
+  for t in transitions(records):
+    reason = annotations[t.episode_id].reasons[t.step]
+    p = parse_output(transition_target(cfg, t, reason), cfg)
+    assert p.ok and (p.reasoning, p.next_state, p.reward, p.done, p.success) == (reason, t.next_state, t.reward,
+                                                                                 t.done, t.success)
+
+
+# --- ALFWorld and MiniWoB records made with the envs' own state mappers ----------------------------------------------
+
+INTRO = ("-= Welcome to TextWorld, ALFRED! =-\n\nYou are in the middle of a room. Looking quickly around you, you see "
+         "a cabinet 2, a cabinet 1, and a fridge 1.\n\nYour task is to: put a cool apple in cabinet.")
+ALF = [  # (action, feedback, invalid)
+    ("go to fridge 1", "You arrive at fridge 1. The fridge 1 is closed.", False),
+    ("open fridge 1", "You open the fridge 1. The fridge 1 is open. In it, you see a apple 2, and a egg 1.", False),
+    ("take apple 2 from fridge 1", "You pick up the apple 2 from the fridge 1.", False),
+    ("take pear 5 from fridge 1", "Nothing happens.", True),
+    ("cool apple 2 with fridge 1", "You cool the apple 2 using the fridge 1.", False),
+    ("go to cabinet 1", "You arrive at cabinet 1. On the cabinet 1, you see nothing.", False),
+    ("move apple 2 to cabinet 1", "You move the apple 2 to the cabinet 1.", False),
+]
+
+
+def _alfworld_record() -> TrajectoryRecord:
+  steps, belief = [], aw.initial_belief(INTRO)
+  for j, (action, feedback, invalid) in enumerate(ALF):
+    # An invalid action changes nothing but the feedback (AlfworldEnv answers it without stepping the game).
+    after = dataclasses.replace(belief, feedback=feedback) if invalid else aw.advance(belief, feedback)
+    last = j == len(ALF) - 1
+    admissible = ("look", "inventory") + (() if invalid else (action,))
+    steps.append(StepRecord(aw.render_state(belief), action, aw.render_state(after), float(last), last, last, invalid,
+                            admissible, "random" if invalid else "expert"))
+    belief = after
+  return _record("alfworld", "pick_cool_then_place_in_recep/train/0", steps, "put a cool apple in cabinet")
+
+
+def test_alfworld_reasons():
+  record = _alfworld_record()
+  a = rule_annotator("alfworld", step_limit=50).annotate(record)
+  r = a.reasons
+  assert "The agent goes from the middle of the room to the fridge 1, where it sees nothing." in r[0]
+  assert "Before acting, the state shows the fridge 1 here in the middle of the room." in r[0]
+  assert "The fridge 1 is now open." in r[1] and "Now in view: apple 2, egg 1." in r[1]
+  assert "the apple 2 here at the fridge 1" in r[2] and "The inventory gains the apple 2, taken from here at the " \
+                                                        "fridge 1." in r[2]
+  assert "No longer in view" not in r[2]  # the apple went into the inventory, said once
+  assert 'The action "take pear 5 from fridge 1" is invalid here (it is not among the admissible actions)' in r[3]
+  assert "the pear 5 not in the current view" in r[3] and 'The game replies "Nothing happens."' in r[3]
+  assert "The expert chose" not in r[3] and "The expert chose this action." in r[4]
+  assert "the apple 2 in the inventory" in r[4] and "You cool the apple 2 using the fridge 1." in r[4]
+  assert "The inventory loses the apple 2, now here at the cabinet 1." in r[6]
+  assert r[6].endswith("This completes the task: reward 1, and the episode ends in success.")
+  assert "2 more steps lead to success" in r[4] and "1 more step leads to success" in r[5]
+  assert 'when the action "move apple 2 to cabinet 1" succeeds ("You move the apple 2 to the cabinet 1.")' in a.tutorial
+  assert "Plan (from this run; 6 steps that change the state): go to fridge 1; open fridge 1;" in a.tutorial
+  assert '"Nothing happens."' in a.tutorial
+
+
+def _page(title, *elements, error=""):
+  return ws.WebState("Log in as cierra.", title, tuple(elements), error=error).text
+
+
+def _miniwob_record() -> TrajectoryRecord:
+  user = ws.Element("16", "textbox", "Username", fillable=True)
+  login = ws.Element("20", "button", "Login")
+  s0 = _page("Login User Task", user, login)
+  s1 = _page("Login User Task", ws.Element("16", "textbox", "Username", value="cierra", fillable=True), login)
+  s2 = _page("Login User Task", ws.Element("16", "textbox", "Username", value="cierra", fillable=True), login,
+             error="ValueError: Could not find element with bid \"99\"")
+  s3 = _page("Welcome", ws.Element("30", "text", "Welcome, cierra!", actionable=False))
+  adm = ("click('16')", "fill('16', <text>)", "click('20')")
+  steps = [StepRecord(s0, "fill('16', 'cierra')", s1, 0.0, False, False, False, adm, "expert"),
+           StepRecord(s1, "click('99')", s2, 0.0, False, False, True, adm, "random"),
+           StepRecord(s2, "click('20')", s3, 1.0, True, True, False, adm, "expert")]
+  return _record("miniwob", "login-user/train/0", steps, "Log in as cierra.", task="login-user", seed=0)
+
+
+def test_miniwob_reasons():
+  a = rule_annotator("miniwob").annotate(_miniwob_record())
+  r = a.reasons
+  assert "Element [16] is the textbox: Username." in r[0] and "It types 'cierra' into it." in r[0]
+  assert 'Element [16] changes from "textbox: Username" to "textbox: Username (value: "cierra")".' in r[0]
+  assert "one of the 3 admissible actions" in r[0]
+  assert "is invalid here (it is not among the admissible actions)" in r[1]
+  assert "There is no element [99] on the page." in r[1] and "The browser reports an error" in r[1]
+  assert "The expert chose" not in r[1]
+  assert 'The page changes from "Login User Task" to "Welcome".' in r[2]
+  assert "New on the page: [30] text: Welcome, cierra!." in r[2] and "Gone from the page: [16]" in r[2]
+  assert r[2].endswith("This completes the task: reward 1, and the episode ends in success.")
+  assert "The earlier error line is gone" in r[2] and "The earlier error line" not in r[0]
+  assert '("Page: Welcome")' in a.tutorial
+  bad = rule_annotator("miniwob").rules.preconditions(_page("x"), "click(")
+  assert bad[0].startswith("The action is not a call of the action language")
+
+
+def test_endings_and_errors():
+  record = _miniwob_record()
+  cut = TrajectoryRecord(record.episode_id, record.env, record.task, record.instruction, record.policy, 0,
+                         record.steps[:2], False, 2, None)
+  assert ending(cut, 10) == "cut_off"
+  assert rule_annotator("miniwob").annotate(cut).reasons[-1].endswith("the episode goes on (the recording stops here).")
+  failed_steps = record.steps[:1] + (dataclasses.replace(record.steps[2], reward=0.0, success=False),)
+  failed = TrajectoryRecord(record.episode_id, record.env, record.task, "", "x", 0, failed_steps, False, 2, None)
+  assert (ending(failed, 10), ending(failed, 2), ending(failed, None)) == ("failure", "step_limit", "ended")
+  assert rule_annotator("miniwob").annotate(failed).reasons[-1].endswith(
+      "The episode ends here without success after 2 steps: reward 0.")
+  with pytest.raises(ValueError, match="no rule-based annotator for env 'webshop'; known: alfworld, miniwob"):
+    rule_annotator("webshop")
+  with pytest.raises(ValueError, match="is from env 'miniwob'"):
+    rule_annotator("alfworld").annotate(record)
+
+
+# --- annotation files and the CLI ------------------------------------------------------------------------------------
+
+
+def test_annotation_files_are_strict(tmp_path):
+  good = Annotation("e1", "T", ("a", "b"), "rules:x")
+  f = tmp_path / "a.jsonl"
+  write_annotations(f, [good, Annotation("e2", "", ())])
+  assert read_annotations(f) == {"e1": good, "e2": Annotation("e2", "", (), "")}
+  for change, message in [({"reasons": ["a", 3]}, "field 'reasons[1]': expected a string"),
+                          ({"format": "v0"}, "field 'format': expected"),
+                          ({"extra": 1}, "field 'extra': unknown field"),
+                          ({"tutorial": None}, "field 'tutorial': expected a string"),
+                          ({"reasons": "a"}, "field 'reasons': expected a list")]:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(good.to_json()) + "\n" + json.dumps(good.to_json() | change) + "\n")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(bad))}:2: {re.escape(message)}"):
+      read_annotations(bad)
+  missing = good.to_json()
+  del missing["reasons"]
+  bad.write_text(json.dumps(missing) + "\n")
+  with pytest.raises(ValueError, match=r"bad.jsonl:1: field 'reasons': missing"):
+    read_annotations(bad)
+  bad.write_text(json.dumps(good.to_json()) + "\n\n" + json.dumps(good.to_json()) + "\n")
+  with pytest.raises(ValueError, match=r"bad.jsonl:3: field 'episode_id': 'e1' is annotated twice \(first at line 1\)"):
+    read_annotations(bad)
+  record = _miniwob_record()
+  check_annotation(Annotation(record.episode_id, "", ("x",) * 3), record)
+  with pytest.raises(ValueError, match="'reasons': 2 reasons for episode 'expert:login-user/train/0' of 3 steps"):
+    check_annotation(Annotation(record.episode_id, "", ("x",) * 2), record)
+  with pytest.raises(ValueError, match="annotates another episode"):
+    check_annotation(Annotation("other", "", ("x",) * 3), record)
+
+
+def test_annotate_file_resumes(tmp_path):
+  records = [_miniwob_record()]
+  for i in range(1, 4):
+    r = records[0]
+    records.append(TrajectoryRecord(f"expert:login-user/train/{i}", r.env, r.task, r.instruction, r.policy, i,
+                                    r.steps[: 1 + i % 3], r.steps[i % 3].success, 1 + i % 3, None))
+  src = tmp_path / "trajectories.jsonl"
+  with JsonlWriter(src) as w:
+    for r in records:
+      w.write(r.to_json())
+  annotator = rule_annotator("miniwob")
+  one_shot = annotate_file(src, tmp_path / "full.jsonl", annotator)
+  assert one_shot["annotated"] == 4
+  out = tmp_path / "resumed.jsonl"
+  assert annotate_file(src, out, annotator, limit=1)["annotated"] == 1
+  with open(out, "a") as f:
+    f.write('{"format": "dreamjax.annotation.v1", "episode_id": "cut')  # a kill mid-write
+  with pytest.warns(PartialRecordWarning):
+    summary = annotate_file(src, out, annotator, workers=2)
+  assert (summary["annotated"], summary["already_done"]) == (3, 1)
+  assert out.read_text() == (tmp_path / "full.jsonl").read_text()
+  assert annotate_file(src, out, annotator)["annotated"] == 0
+  broken = [json.loads(line) for line in out.read_text().splitlines()]
+  broken[1]["reasons"] = broken[1]["reasons"][:1] + broken[1]["reasons"]
+  out.write_text("".join(json.dumps(b) + "\n" for b in broken))
+  with pytest.raises(ValueError, match=r"resumed.jsonl \(episode 'expert:login-user/train/1'\): field 'reasons': 3 "
+                                       r"reasons for episode"):
+    annotate_file(src, out, annotator)
+
+
+def test_cli_rules(twx, capsys):
+  out_dir, records, _ = twx
+  tool = _tool()
+  assert tool.collected_step_limit(out_dir / "trajectories.jsonl") == 50
+  assert tool.main([str(out_dir / "trajectories.jsonl"), "--limit", "2"]) == 0
+  assert tool.main([str(out_dir / "trajectories.jsonl")]) == 0
+  summary = json.loads(capsys.readouterr().out.split("\n}\n")[1] + "\n}")
+  assert (summary["annotated"], summary["already_done"], summary["step_limit"]) == (len(records) - 2, 2, 50)
+  written = read_annotations(out_dir / "annotations.rules.jsonl")
+  expected = {r.episode_id: a for r, a in _twx_annotations(twx)}
+  assert written == {k: v for k, v in expected.items() if k in written} and len(written) == len(records)

@@ -1,0 +1,269 @@
+"""The experience model's prompt/target format: exact rendering, round trips, a total parser (fuzzed), SFT masks."""
+
+import dataclasses
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+
+from dreamjax.data.records import StepRecord, TrajectoryRecord, transitions
+from dreamjax.envs.base import Task
+from dreamjax.experience.format import (
+    FAILURE_STATE,
+    TAGS,
+    ExpFormatConfig,
+    ExpPrediction,
+    build_prompt,
+    parse_output,
+    render_target,
+    render_user,
+    sft_example,
+    system_prompt,
+    transition_example,
+    transition_target,
+)
+from dreamjax.replay.transition import ReplayTransition
+from dreamjax.text import Kind, load_tokenizer, train_bpe_tokenizer
+from tests.test_segments import LLAMA_STYLE, SPECIALS
+
+STATE = "Location: kitchen\nYou see: fridge (closed), counter (knife, apple 🍎)\nInventory: nothing"
+NEXT = "Location: kitchen\nYou see: fridge (open: milk), counter (knife, apple 🍎)\nInventory: nothing\nFeedback: Ok."
+ON, OFF = ExpFormatConfig(), ExpFormatConfig(reasoning=False)
+
+
+@pytest.fixture(scope="module", params=["chatml", "llama"])
+def tok(request, tmp_path_factory):
+  root = tmp_path_factory.mktemp("tok")
+  rng = random.Random(0)
+  words = "location kitchen you see fridge open closed take apple reward done true false think state".split()
+  texts = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) + ".\n" for _ in range(300)]
+  train_bpe_tokenizer(texts, root / "chatml", vocab_size=380, special_tokens=SPECIALS)
+  if request.param == "llama":
+    config = json.loads((root / "chatml" / "tokenizer_config.json").read_text())
+    (root / "llama").mkdir()
+    shutil.copy(root / "chatml" / "tokenizer.json", root / "llama")
+    variant = config | {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": LLAMA_STYLE}
+    (root / "llama" / "tokenizer_config.json").write_text(json.dumps(variant))
+  return load_tokenizer(root / request.param)
+
+
+def _transition(i: int, reward: float = 0.0, done: bool = False, success: bool = False) -> ReplayTransition:
+  task = Task.make("textworld_express", f"coin/train/{i}", "Find the coin.", game="coin", seed=i)
+  return ReplayTransition(f"expert:coin/train/{i}", i, task, "Find the coin.", f"Location: room {i}", f"move {i}",
+                          f"Location: room {i + 1}", reward, done, success, False, "offline")
+
+
+# --- target and parser -----------------------------------------------------------------------------------------------
+
+
+def test_target_text_is_exact():
+  assert render_target(ON, "The fridge opens.", NEXT, 0.0, False, False) == (
+      f"<think>\nThe fridge opens.\n</think>\n<next_state>\n{NEXT}\n</next_state>\n<reward>0</reward>\n"
+      "<done>false</done>\n<success>false</success>")
+  assert render_target(OFF, "ignored", "s", 1.0, True, True) == (
+      "<next_state>\ns\n</next_state>\n<reward>1</reward>\n<done>true</done>\n<success>true</success>")
+
+
+@pytest.mark.parametrize("cfg", [ON, OFF], ids=["reasoning", "no_reasoning"])
+@pytest.mark.parametrize("outcome", [(0.0, False, False), (0.0, True, False), (1.0, True, True)])
+@pytest.mark.parametrize("reasoning, state", [
+    ("why", NEXT), ("", "x"), ("  two\nlines  \n", "\nleading and trailing newline\n"), ("é ✓ 🍎 \t", "Ünïcødé: ✓")])
+def test_round_trip(cfg, outcome, reasoning, state):
+  reward, done, success = outcome
+  p = parse_output(render_target(cfg, reasoning, state, reward, done, success), cfg)
+  assert p == ExpPrediction(state, reward, done, success, reasoning if cfg.reasoning else "", True, "")
+  # Whitespace around the whole output (a decoded stop token's neighbourhood) does not matter.
+  assert parse_output("\n  " + render_target(cfg, reasoning, state, reward, done, success) + " \n", cfg) == p
+
+
+@pytest.mark.parametrize("args, message", [
+    (("r", "s", 1.0, False, True), "success is true but done is false"),
+    (("r", "s", 1.0, True, False), "reward is 1 but success is false"),
+    (("r", "s", 0.0, True, True), "success is true but the reward is 0"),
+    (("r", "s", 0.5, True, False), "not 0 or 1"),
+    (("a </think> b", "s", 0.0, False, False), "reasoning contains the format tag '</think>'"),
+    (("r", "s <reward>1</reward>", 0.0, False, False), "next_state contains the format tag '<reward>'"),
+    (("r", " \n", 0.0, False, False), "next_state is empty"),
+])
+def test_render_target_refuses_bad_targets(args, message):
+  with pytest.raises(ValueError, match=message):
+    render_target(ON, *args)
+
+
+def _good(**parts) -> str:
+  blocks = {"think": "\nwhy\n", "next_state": "\nstate\n", "reward": "0", "done": "false", "success": "false"} | parts
+  return "\n".join(f"<{t}>{blocks[t]}</{t}>" for t in TAGS if blocks[t] is not None)
+
+
+@pytest.mark.parametrize("text, error", [
+    ("", "missing <think>"),
+    ("just some words", "missing <think>"),
+    (_good(think=None), "missing <think>"),
+    (_good(next_state=None), "missing <next_state>"),
+    (_good(success=None), "missing <success>"),
+    (_good()[:-3], "missing </success> (output cut off?)"),
+    ("Sure! " + _good(), "unexpected text before <think>: 'Sure!'"),
+    (_good() + " and more", "unexpected text after </success>: 'and more'"),
+    (_good() + "\n<reward>1</reward>", "duplicated <reward>"),
+    (_good(next_state="a<next_state>b"), "<next_state> block contains <next_state> (duplicated or nested tag)"),
+    (_good(think="a<reward>1</reward>"), "<think> block contains <reward> (duplicated or nested tag)"),
+    ("<think>x</think><think>y</think>" + _good(think=None), "duplicated or misplaced <think> before <next_state>"),
+    (_good(reward="yes"), "<reward> is 'yes', expected 0 or 1"),
+    (_good(reward="0.5"), "<reward> is '0.5', expected 0 or 1"),
+    (_good(reward="nan"), "<reward> is 'nan', expected 0 or 1"),
+    (_good(reward=""), "<reward> is '', expected 0 or 1"),
+    (_good(done="maybe"), "<done> is 'maybe', expected true or false"),
+    (_good(success="1"), "<success> is '1', expected true or false"),
+    (_good(next_state="\n  \n"), "empty <next_state>"),
+    (_good(reward="1", done="false", success="false"), "inconsistent outcome: reward is 1 but success is false"),
+    (_good(reward="1", done="false", success="true"), "inconsistent outcome: success is true but done is false"),
+    (_good(reward="0", done="true", success="true"), "inconsistent outcome: success is true but the reward is 0"),
+    (_good(reward="1", done="true", success="false"), "inconsistent outcome: reward is 1 but success is false"),
+    ("<THINK>x</THINK>", "missing <think>"),
+])
+def test_malformed_outputs_are_failure_outcomes(text, error):
+  p = parse_output(text, ON)
+  assert (p.ok, p.error, p.next_state, p.reward, p.done, p.success) == (False, error, FAILURE_STATE, 0.0, True, False)
+
+
+def test_parser_edge_cases():
+  assert parse_output(_good(reward=" 1.0 ", done="TRUE", success="True"), ON).ok  # lenient on value spelling only
+  assert parse_output(_good(think=None), OFF).ok
+  assert parse_output(_good(), OFF).error == "unexpected <think> block: reasoning is off in this format"
+  assert parse_output(None, ON).error == "output is a NoneType, not text"  # type: ignore[arg-type]
+  # The reasoning read before the failure is kept, for logs.
+  assert parse_output(_good(reward="x"), ON).reasoning == "why"
+
+
+def test_parser_is_total_under_fuzzing():
+  rng = random.Random(0)
+  valid = [render_target(cfg, r, s, *o) for cfg in (ON, OFF) for r, s in [("why", NEXT), ("", "é")]
+           for o in [(0.0, False, False), (1.0, True, True)]]
+  # Every strict prefix of a valid output is a failure (the last tag is cut), and never raises.
+  for cfg in (ON, OFF):
+    for text in [v for v in valid if v.startswith("<think>") == cfg.reasoning]:
+      assert parse_output(text, cfg).ok
+      for n in range(len(text)):
+        p = parse_output(text[:n], cfg)
+        assert not p.ok and p.error and p.next_state == FAILURE_STATE, (n, text[:n])
+  pieces = ["<think>", "</think>", "<next_state>", "</next_state>", "<reward>", "</reward>", "<done>", "</done>",
+            "<success>", "</success>", "0", "1", "true", "false", "\n", " ", "é", "🍎", "\x00", "<", ">", "/", "\u202e",
+            "nan", "1e0", "-0", "𝟙", "\ud800"]
+  for _ in range(3000):
+    kind = rng.random()
+    if kind < 0.4:  # random token soup
+      text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+    elif kind < 0.8:  # a valid output with random edits
+      chars = list(rng.choice(valid))
+      for _ in range(rng.randint(1, 4)):
+        at = rng.randrange(len(chars) + 1)
+        op = rng.random()
+        if op < 0.4 and chars:
+          del chars[min(at, len(chars) - 1)]
+        elif op < 0.8:
+          chars.insert(at, rng.choice(pieces))
+        else:
+          chars[at:at] = list(rng.choice(valid))  # duplicated blocks
+      text = "".join(chars)
+    else:  # arbitrary unicode
+      text = "".join(chr(rng.randrange(0x110000)) for _ in range(rng.randint(0, 40)))
+    for cfg in (ON, OFF):
+      p = parse_output(text, cfg)
+      assert isinstance(p, ExpPrediction) and isinstance(p.error, str)
+      if p.ok:  # whatever parses is a consistent outcome and a real state
+        assert p.error == "" and p.next_state.strip() and p.next_state != FAILURE_STATE
+        assert (p.reward, p.done, p.success) in [(0.0, False, False), (0.0, True, False), (1.0, True, True)]
+      else:
+        assert p.error and (p.reward, p.done, p.success, p.next_state) == (0.0, True, False, FAILURE_STATE)
+
+
+# --- prompt ----------------------------------------------------------------------------------------------------------
+
+
+def test_user_message_is_exact():
+  cfg = ExpFormatConfig(max_history=2, k=1, tutorial=True)
+  history = [("s0", "a0"), ("s1", "a1"), ("s2", "a2")]
+  retrieved = [_transition(7, 1.0, True, True), _transition(8)]
+  text = render_user(cfg, "Find the coin.", history, retrieved, "s3", "take coin", tutorial="Plan: look.")
+  assert text == (
+      "# Task\nFind the coin.\n\n"
+      "# Tutorial\nPlan: look.\n\n"
+      "# Similar past transitions\n## Example 1\nState:\nLocation: room 7\nAction: move 7\nNext state:\n"
+      "Location: room 8\nReward: 1, done: true, success: true\n\n"
+      "# History, oldest first (1 earlier steps not shown)\n## Step 2\nState:\ns1\nAction: a1\n\n"
+      "## Step 3\nState:\ns2\nAction: a2\n\n"
+      "# Current state (step 4)\ns3\n\n# Action\ntake coin")
+
+
+def test_switches_drop_sections_entirely():
+  args = ("Find the coin.", [("s0", "a0")], [_transition(1)], "s1", "look")
+  full = render_user(ExpFormatConfig(tutorial=True), *args, tutorial="T")
+  assert all(h in full for h in ("# Tutorial", "# Similar past transitions", "# History"))
+  for cfg, gone in [(ExpFormatConfig(retrieval=False), "# Similar"), (ExpFormatConfig(k=0), "# Similar"),
+                    (ExpFormatConfig(history=False), "# History"), (ExpFormatConfig(max_history=0), "# History"),
+                    (ExpFormatConfig(), "# Tutorial")]:
+    text = render_user(cfg, *args, tutorial="T")
+    assert gone not in text and text.endswith("# Current state (step 2)\ns1\n\n# Action\nlook")
+  assert render_user(ExpFormatConfig(tutorial=True), *args, tutorial="  ") == render_user(ExpFormatConfig(), *args)
+  assert "<think>" in system_prompt(ON) and "<think>" not in system_prompt(OFF)
+  assert "# History" not in render_user(ON, "t", [], [], "s", "a") and "# Similar" not in render_user(ON, "t", [], [],
+                                                                                                      "s", "a")
+
+
+def test_states_are_clipped_in_prompts_only():
+  cfg = ExpFormatConfig(max_state_chars=20)
+  long = "x" * 50
+  text = render_user(cfg, "t", [(long, "a")], [_transition(1)], long, "a")
+  assert "x" * 17 + "..." in text and "x" * 18 not in text
+  assert long in render_target(cfg, "", long, 0.0, False, False)
+  with pytest.raises(ValueError, match="max_history"):
+    ExpFormatConfig(max_history=-1)
+
+
+def test_step_index_numbers_a_truncated_history():
+  cfg = ExpFormatConfig(max_history=1)
+  assert "# History, oldest first (9 earlier steps not shown)\n## Step 10\n" in render_user(
+      cfg, "t", [("s", "a")], [], "s", "b", step=10)
+  assert "# Current state (step 11)" in render_user(cfg, "t", [("s", "a")], [], "s", "b", step=10)
+
+
+# --- SFT examples ----------------------------------------------------------------------------------------------------
+
+
+def test_sft_example_masks_exactly_the_target(tok):
+  target = render_target(ON, "The fridge opens.", NEXT, 0.0, False, False)
+  builder = build_prompt(tok, ON, "Open the fridge.", [("s0", "look")], [_transition(1)], STATE, "open fridge")
+  ex = sft_example(tok, ON, "Open the fridge.", [("s0", "look")], [_transition(1)], STATE, "open fridge", target)
+  prompt = builder.prompt()
+  start = int(np.argmax(ex.loss_mask))
+  assert start == len(prompt) and np.array_equal(ex.ids[:start], prompt)  # sampling prompt == training prefix
+  eot = tok.decode([tok.chat_format.end_of_turn])
+  assert tok.decode(ex.ids[ex.loss_mask == 1]) == target + eot
+  assert ex.loss_mask.sum() == len(tok.encode(target)) + 1
+  assert set(np.unique(ex.kinds[: len(prompt)])) <= {Kind.SYSTEM, Kind.TASK, Kind.ACTION_FRAME}
+  assert ex.ids.dtype == ex.kinds.dtype == ex.loss_mask.dtype == np.int32
+  # Sampled ids of the same target give the same tokens (token-in/token-out for M_exp as for the policy).
+  sampled = builder.append_generated(tok.encode(target) + [tok.chat_format.end_of_turn])
+  assert np.array_equal(sampled.arrays()[0], ex.ids)
+  # Deterministic: a rebuild gives identical ids.
+  again = sft_example(tok, ON, "Open the fridge.", [("s0", "look")], [_transition(1)], STATE, "open fridge", target)
+  assert np.array_equal(again.ids, ex.ids)
+
+
+def test_transition_example_from_records(tok):
+  task = Task.make("textworld_express", "coin/train/0", "Find the coin.", game="coin", seed=0)
+  steps = (StepRecord("Location: a", "move east", "Location: b", 0.0, False, False, False, ("move east",), "expert"),
+           StepRecord("Location: b", "take coin", "Location: b\nInventory: coin", 1.0, True, True, False,
+                      ("take coin", "move west"), "expert"))
+  record = TrajectoryRecord("expert:coin/train/0", "textworld_express", task, "Find the coin.", "expert", 0, steps,
+                            True, 2, 1.0)
+  last = list(transitions([record]))[-1]
+  target = transition_target(ON, last, "Taking the coin completes the task.")
+  assert parse_output(target, ON) == ExpPrediction("Location: b\nInventory: coin", 1.0, True, True,
+                                                   "Taking the coin completes the task.", True, "")
+  ex = transition_example(tok, dataclasses.replace(ON, reasoning=False), last)
+  text = tok.decode(ex.ids)
+  assert "## Step 1\nState:\nLocation: a\nAction: move east" in text and "# Current state (step 2)" in text
+  assert tok.decode(ex.ids[ex.loss_mask == 1]).startswith("<next_state>\nLocation: b\nInventory: coin\n</next_state>")

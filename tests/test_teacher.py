@@ -1,0 +1,235 @@
+"""The teacher annotator against a real local HTTP server implementing POST /v1/chat/completions.
+
+The server answers deterministically from the request content (one reason per "### Step" block, built from that
+step's action and validity), and follows a script of failures: HTTP 500/429/401, a malformed body, content that is not
+JSON, a wrong number of reasons, a forbidden tag, and a slow answer past the client's timeout.
+"""
+
+import http.server
+import importlib.util
+import json
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dreamjax.data.jsonl import JsonlWriter
+from dreamjax.data.records import StepRecord, TrajectoryRecord
+from dreamjax.envs.base import Task
+from dreamjax.experience.annotate import annotate_file, read_annotations, rule_annotator
+from dreamjax.experience.teacher import SYSTEM_PROMPT, TeacherAnnotator, TeacherError, parse_answer, render_episode
+
+
+def expected_answer(user: str) -> dict:
+  steps = re.findall(r"^### Step (\d+)\nAction: (.*)\nValid: (\w+)", user, re.M)
+  reasons = [f"Step {n}: {action!r} is {'accepted' if valid == 'yes' else 'rejected'}." for n, action, valid in steps]
+  return {"tutorial": "Plan: " + "; ".join(a for _, a, _ in steps), "reasons": reasons}
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+  def log_message(self, *args):  # keep test output clean
+    pass
+
+  def _send(self, code: int, body: bytes, headers=()):
+    try:
+      self.send_response(code)
+      for k, v in headers:
+        self.send_header(k, v)
+      self.send_header("Content-Length", str(len(body)))
+      self.end_headers()
+      self.wfile.write(body)
+    except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout test)
+      pass
+
+  def do_POST(self):
+    server = self.server
+    request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+    with server.lock:
+      server.calls.append({"path": self.path, "body": request, "auth": self.headers.get("Authorization")})
+      mode = server.script.pop(0) if server.script else "ok"
+    if self.path != "/v1/chat/completions":
+      return self._send(404, b'{"error": "no such route"}')
+    answer = expected_answer(request["messages"][1]["content"])
+    if mode == "500":
+      return self._send(500, b'{"error": "overloaded"}')
+    if mode == "429":
+      return self._send(429, b'{"error": "rate limited"}', [("Retry-After", "0.25")])
+    if mode == "401":
+      return self._send(401, b'{"error": "bad key"}')
+    if mode == "slow":
+      time.sleep(1.0)
+    content = json.dumps(answer)
+    if mode == "malformed_body":
+      return self._send(200, b"<html>gateway error</html>")
+    if mode == "not_json":
+      content = "Here are my thoughts: the agent did well."
+    if mode == "wrong_count":
+      content = json.dumps(answer | {"reasons": answer["reasons"][:-1]})
+    if mode == "tagged":
+      content = json.dumps(answer | {"reasons": ["<think>x</think>"] + answer["reasons"][1:]})
+    if mode == "fenced":
+      content = "```json\n" + content + "\n```"
+    body = {"id": "x", "object": "chat.completion", "model": request["model"],
+            "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}]}
+    self._send(200, json.dumps(body).encode(), [("Content-Type", "application/json")])
+
+
+@pytest.fixture()
+def server():
+  srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+  srv.calls, srv.script, srv.lock = [], [], threading.Lock()
+  srv.daemon_threads = True
+  thread = threading.Thread(target=srv.serve_forever, daemon=True)
+  thread.start()
+  srv.base_url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
+  yield srv
+  srv.shutdown()
+  srv.server_close()
+
+
+def _record(i: int = 0, n: int = 3) -> TrajectoryRecord:
+  instruction = f"Find the coin in house {i}."  # distinct episodes make distinct requests
+  steps = []
+  for j in range(n):
+    last = j == n - 1
+    invalid = j == 1
+    steps.append(StepRecord(f"Location: room {j}\nInventory: nothing", "dance" if invalid else f"move {j} ✓",
+                            f"Location: room {j + 1}\nInventory: {'coin' if last else 'nothing'}", float(last), last,
+                            last, invalid, (f"move {j} ✓",), "expert"))
+  task = Task.make("textworld_express", f"coin/train/{i}", instruction, game="coin", seed=i)
+  return TrajectoryRecord(f"expert:coin/train/{i}", "textworld_express", task, instruction, "expert", i,
+                          tuple(steps), True, n, 1.0)
+
+
+def _teacher(server, tmp_path, **kw) -> TeacherAnnotator:
+  sleeps = []
+  kw = {"cache_dir": tmp_path / "cache", "backoff_s": 0.01, "sleep": sleeps.append} | kw
+  t = TeacherAnnotator(server.base_url, "teacher-model", **kw)
+  t.sleeps = sleeps
+  return t
+
+
+def test_answers_are_requested_validated_and_cached(server, tmp_path, monkeypatch):
+  monkeypatch.setenv("DREAMJAX_TEST_KEY", "sk-local-test")
+  record = _record()
+  teacher = _teacher(server, tmp_path, api_key_env="DREAMJAX_TEST_KEY")
+  a = teacher.annotate(record)
+  want = expected_answer(render_episode(record))
+  assert a.reasons == tuple(want["reasons"]) and a.tutorial == want["tutorial"]
+  assert a.annotator == "teacher:teacher-model"
+  assert a.reasons == ("Step 1: 'move 0 ✓' is accepted.", "Step 2: 'dance' is rejected.",
+                       "Step 3: 'move 2 ✓' is accepted.")
+  (call,) = server.calls
+  assert call["path"] == "/v1/chat/completions" and call["auth"] == "Bearer sk-local-test"
+  body = call["body"]
+  assert (body["model"], body["temperature"]) == ("teacher-model", 0.0)
+  assert body["response_format"] == {"type": "json_object"}
+  assert body["messages"][0] == {"role": "system", "content": SYSTEM_PROMPT}
+  user = body["messages"][1]["content"]
+  assert "Outcome: success after 3 steps" in user and "Number of steps (reasons to write): 3" in user
+  assert "Initial state:\nLocation: room 0" in user and "Reward: 1, done: true, success: true" in user
+  # A new annotator over the same cache makes no HTTP call; nor does the same one.
+  again = _teacher(server, tmp_path, api_key_env="DREAMJAX_TEST_KEY")
+  assert again.annotate(record) == a and teacher.annotate(record) == a
+  assert len(server.calls) == 1 and again.stats.cache_hits == 1 and again.stats.requests == 0
+  # Another episode (or model, or prompt) is another request.
+  other = _teacher(server, tmp_path).annotate(_record(1, 2))
+  assert len(other.reasons) == 2 and len(server.calls) == 2
+  monkeypatch.delenv("DREAMJAX_TEST_KEY")
+  _teacher(server, tmp_path, cache_dir=None, api_key_env="DREAMJAX_TEST_KEY").annotate(record)
+  assert server.calls[-1]["auth"] is None  # no key set: no Authorization header
+
+
+def test_retries_every_transient_failure_with_backoff(server, tmp_path):
+  server.script[:] = ["500", "429", "malformed_body", "not_json", "wrong_count", "tagged", "fenced"]
+  teacher = _teacher(server, tmp_path, max_retries=6, max_backoff_s=0.1)
+  a = teacher.annotate(_record())
+  assert a.reasons[1] == "Step 2: 'dance' is rejected."  # the fenced answer of the 7th attempt
+  assert len(server.calls) == 7 and teacher.stats.retries == 6 and not teacher.stats.errors
+  # backoff 0.01 * 2**attempt, capped at 0.1; the 429's Retry-After (0.25) is honoured up to the cap.
+  assert teacher.sleeps == pytest.approx([0.01, 0.1, 0.04, 0.08, 0.1, 0.1])
+
+
+def test_timeout_is_retried(server, tmp_path):
+  server.script[:] = ["slow"]
+  teacher = _teacher(server, tmp_path, timeout_s=0.3, max_retries=1)
+  assert len(teacher.annotate(_record()).reasons) == 3
+  assert len(server.calls) == 2 and teacher.stats.retries == 1
+
+
+def test_exhausted_retries_raise_or_fall_back(server, tmp_path):
+  record = _record()
+  server.script[:] = ["500", "wrong_count", "500"]
+  teacher = _teacher(server, tmp_path, max_retries=2)
+  with pytest.raises(TeacherError, match=r"episode 'expert:coin/train/0' failed after 3 attempts: HTTP 500"):
+    teacher.annotate(record)
+  assert not list((tmp_path / "cache").glob("**/*.json"))  # nothing cached from failures
+  server.script[:] = ["500", "500"]
+  fallback = _teacher(server, tmp_path, max_retries=1, on_failure="fallback")
+  with pytest.warns(UserWarning, match="using rules:textworld_express instead"):
+    a = fallback.annotate(record)
+  assert a.reasons == rule_annotator("textworld_express").annotate(record).reasons
+  assert a.annotator == "rules:textworld_express (teacher fallback)" and fallback.stats.fallbacks == 1
+  assert fallback.annotate(record).annotator == "teacher:teacher-model"  # not cached: the teacher is asked again
+
+
+def test_configuration_errors_are_not_retried(server, tmp_path):
+  server.script[:] = ["401"]
+  teacher = _teacher(server, tmp_path, on_failure="fallback")
+  with pytest.raises(TeacherError, match=r"HTTP 401 .* \(not retried: check the URL, model and \$OPENAI_API_KEY\)"):
+    teacher.annotate(_record())
+  assert len(server.calls) == 1
+  with pytest.raises(TeacherError, match="HTTP 404"):
+    TeacherAnnotator(server.base_url + "/wrong", "m", cache_dir=None).annotate(_record())
+  with pytest.raises(ValueError, match="on_failure must be one of"):
+    TeacherAnnotator(server.base_url, "m", on_failure="ignore")
+
+
+def test_unreachable_server_is_retried_then_reported(tmp_path):
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]  # closed again: nothing listens there
+  sleeps = []
+  teacher = TeacherAnnotator(f"http://127.0.0.1:{port}/v1", "m", max_retries=2, backoff_s=0.5, sleep=sleeps.append)
+  with pytest.raises(TeacherError, match="failed after 3 attempts: cannot reach"):
+    teacher.annotate(_record())
+  assert sleeps == [0.5, 1.0] and teacher.stats.requests == 3
+
+
+def test_parse_answer():
+  assert parse_answer('Sure! {"tutorial": "t", "reasons": [" a ", "b"]} Done.', 2) == ("t", ("a", "b"))
+  for content, message in [("[1, 2]", "not a JSON object"), ('{"reasons": ["a"]}', "no 'tutorial'"),
+                           ('{"tutorial": "t", "reasons": [1]}', "not a list of strings"),
+                           ('{"tutorial": "t", "reasons": ["a", " "]}', "reason 2 is empty"),
+                           ('{"tutorial": "t </next_state>", "reasons": ["a", "b"]}', "format tag </next_state>"),
+                           ('{"tutorial": "t", "reasons": ["a"]}', "1 reasons for 2 steps")]:
+    with pytest.raises(ValueError, match=re.escape(message)):
+      parse_answer(content, 2)
+
+
+def test_annotate_file_and_cli_with_the_teacher(server, tmp_path, capsys):
+  records = [_record(i, 1 + i % 3) for i in range(5)]
+  src = tmp_path / "trajectories.jsonl"
+  with JsonlWriter(src) as w:
+    for r in records:
+      w.write(r.to_json())
+  teacher = _teacher(server, tmp_path)
+  summary = annotate_file(src, tmp_path / "a.jsonl", teacher, workers=3)
+  assert summary["annotated"] == 5 and len(server.calls) == 5
+  written = read_annotations(tmp_path / "a.jsonl")
+  assert list(written) == [r.episode_id for r in records]  # file order, whatever order the threads finished in
+  for r in records:
+    assert written[r.episode_id].reasons == tuple(expected_answer(render_episode(r))["reasons"])
+  spec = importlib.util.spec_from_file_location("annotate_reasoning", Path(__file__).parent.parent / "tools" /
+                                                "annotate_reasoning.py")
+  tool = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tool)
+  # A fresh output over the same cache: every answer comes from disk.
+  assert tool.main([str(src), "--annotator", "teacher", "--base-url", server.base_url, "--model", "teacher-model",
+                    "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "b.jsonl")]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert (out["annotated"], out["requests"], out["cache_hits"]) == (5, 0, 5) and len(server.calls) == 5
+  assert read_annotations(tmp_path / "b.jsonl") == written
