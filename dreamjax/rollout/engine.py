@@ -1,0 +1,288 @@
+"""The batched multi-turn rollout engine: B tasks x G rollouts against any BatchEnv, one sampler call per turn.
+
+Shapes never change within a run, so nothing recompiles turn to turn: every turn samples all N = B*G rows in one
+jitted call, finished rows included (their per-row budget is 0, so they emit nothing and cost only the prefill of a
+one-token dummy prompt), and the prompt length is padded up to one of a few fixed buckets. The sampler therefore
+compiles once per (N, bucket). Prompts longer than the largest bucket drop history, oldest first, and only a prompt
+that cannot fit with no history at all is an error.
+
+Randomness: row r at turn t samples with `fold_in(fold_in(key, t), r)`, so a run is reproducible from its key and a
+row's tokens do not depend on the other rows (nor on how many of them are still live).
+
+Outcomes, not exceptions: an answer that does not parse is not sent to the env (the BatchEnv gets None for its row);
+the turn is recorded as invalid, reward 0, with the state unchanged, and the episode goes on. An action the env
+rejects comes back as the env's own invalid result. Episodes end when the env says done, after `max_turns` turns, or
+when their sampled tokens reach `max_episode_tokens` (the last turn's budget is cut to what is left); the last two are
+truncations (`Trajectories.ended` False).
+
+What is recorded per turn is exactly what the policy saw and produced: prompt ids from `build_turn_prompt`, the
+sampled ids including the stop token (without padding), and the sampler's log-probs. The engine never re-tokenises.
+Each episode is also a `TrajectoryRecord` (policy "policy", step source "policy") for the replay buffer and logs: a
+parsed turn records the parsed action, an unparseable one the decoded answer itself (invalid, reward 0, next state =
+state), so nothing the policy said is lost. The history shown in later prompts has the parsed action, or
+`INVALID_ANSWER` for an unparseable turn (raw junk would only crowd the prompt).
+Host work (prompt building, decoding, parsing, env stepping) runs outside jit; `stats` splits the wall time of the
+last run into sampling, env and host seconds.
+
+The engine sees the env only through the BatchEnv protocol, so real envs, env pools and the experience model's
+SyntheticEnv are driven the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dreamjax.data.records import StepRecord, TrajectoryRecord
+from dreamjax.envs.base import BatchEnv, Observation, StepResult, Task
+from dreamjax.models.config import ModelConfig
+from dreamjax.rollout.agent import INVALID_ANSWER, AgentFormat, build_turn_prompt, parse_answer
+from dreamjax.rollout.trajectory import Trajectories
+from dreamjax.sampling import Sampler, sampling_params
+from dreamjax.text import Kind, SegmentBuilder, Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  group_size: int = 1  # G rollouts per task (the GRPO group)
+  max_turns: int = 10  # turns per episode; an episode still running after them is truncated
+  max_action_tokens: int = 128  # sampled tokens per turn (the sampler's static buffer)
+  max_episode_tokens: int = 2048  # sampled tokens per episode
+  prompt_buckets: tuple[int, ...] = (512, 1024, 2048)  # prompt lengths the sampler compiles for
+  temperature: float = 1.0  # <= 0: greedy
+  top_p: float = 1.0
+  top_k: int = 0
+
+  def __post_init__(self):
+    for name in ("group_size", "max_turns", "max_action_tokens", "max_episode_tokens"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
+    buckets = tuple(self.prompt_buckets)
+    if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+      raise ValueError(f"RolloutConfig.prompt_buckets must be positive and strictly increasing, got {buckets}")
+
+
+@dataclasses.dataclass
+class _Turn:
+  prompt: np.ndarray  # int32 ids, generation prompt included
+  prompt_kinds: np.ndarray  # int32
+  sampled: np.ndarray  # int32 ids, stop token included
+  logps: np.ndarray  # float32
+  reward: float
+  done: bool
+  invalid: bool
+  truncated: bool
+
+
+@dataclasses.dataclass
+class _Episode:
+  """Host-side state of one row."""
+
+  task: Task
+  instruction: str
+  state: str
+  admissible: tuple[str, ...]
+  history: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+  turns: list[_Turn] = dataclasses.field(default_factory=list)
+  steps: list[StepRecord] = dataclasses.field(default_factory=list)
+  used: int = 0  # sampled tokens so far
+  live: bool = True
+  ended: bool = False  # the env ended the episode
+  success: bool = False
+  score: float | None = None
+
+
+def _row_keys(key: jax.Array, turn: jax.Array, rows: int) -> jax.Array:
+  return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, turn), r))(jnp.arange(rows))
+
+
+_ROW_KEYS = jax.jit(_row_keys, static_argnums=2)
+
+
+class RolloutEngine:
+  """Runs G rollouts of each task with one policy; `run` returns token-in/token-out `Trajectories`."""
+
+  def __init__(self, policy_cfg: ModelConfig, tokenizer: Tokenizer, agent_format: AgentFormat,
+               rollout_cfg: RolloutConfig, mesh: jax.sharding.Mesh | None = None):
+    if tokenizer.chat_format is None:
+      raise ValueError("RolloutEngine: the tokenizer has no chat template, so turns cannot be built")
+    if policy_cfg.vocab_size < tokenizer.vocab_size:
+      raise ValueError(f"RolloutEngine: policy vocab_size {policy_cfg.vocab_size} is below the tokenizer's "
+                       f"{tokenizer.vocab_size}")
+    longest = rollout_cfg.prompt_buckets[-1] + rollout_cfg.max_action_tokens
+    if longest > policy_cfg.max_position_embeddings:
+      raise ValueError(f"RolloutEngine: the largest prompt bucket plus max_action_tokens is {longest} tokens, beyond "
+                       f"the policy's max_position_embeddings {policy_cfg.max_position_embeddings}")
+    self.policy_cfg, self.tokenizer, self.format, self.cfg = policy_cfg, tokenizer, agent_format, rollout_cfg
+    self.sampler = Sampler(policy_cfg, rollout_cfg.max_action_tokens, pad_id=tokenizer.pad_id, mesh=mesh)
+    self.stop_ids = tuple(dict.fromkeys((tokenizer.chat_format.end_of_turn, *tokenizer.eos_ids)))
+    self._frame = np.full(len(tokenizer.chat_format.generation_prompt), Kind.ACTION_FRAME, np.int32)
+    self.stats: dict = {}
+
+  def turn_prompt(self, instruction: str, step: int, history: Sequence[tuple[str, str]], state: str,
+                  admissible: Sequence[str], where: str = "") -> SegmentBuilder:
+    """`build_turn_prompt`, dropping the oldest history until `.prompt()` fits the largest bucket."""
+    limit = self.cfg.prompt_buckets[-1]
+    history = list(history)
+    while True:
+      builder = build_turn_prompt(self.tokenizer, self.format, instruction, step, history, state, admissible)
+      length = len(builder) + len(self._frame)
+      if length <= limit:
+        return builder
+      if not history:
+        raise ValueError(f"{where or 'turn prompt'}: the prompt is {length} tokens without any history, beyond the "
+                         f"largest prompt bucket {limit}; raise RolloutConfig.prompt_buckets or lower "
+                         f"AgentFormat.max_admissible")
+      history.pop(0)
+
+  def run(self, params, env: BatchEnv, tasks: Sequence[Task], key: jax.Array, policy_version: int = 0) -> Trajectories:
+    """Rollouts of every task `group_size` times: row r runs task r // G. `key` is a PRNG key (typed or raw)."""
+    cfg, tok = self.cfg, self.tokenizer
+    if not tasks:
+      raise ValueError("RolloutEngine.run: no tasks")
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+      key = jax.random.wrap_key_data(key)
+    stats = dict(sample_s=0.0, env_s=0.0, turns=0, sampled_tokens=0, parse_failures=0, env_invalid=0, buckets=set())
+    start = time.perf_counter()
+    n = len(tasks) * cfg.group_size
+    row_tasks = [tasks[r // cfg.group_size] for r in range(n)]
+    t0 = time.perf_counter()
+    observations = env.reset_batch(row_tasks)
+    stats["env_s"] += time.perf_counter() - t0
+    if len(observations) != n:
+      raise RuntimeError(f"RolloutEngine.run: env.reset_batch returned {len(observations)} observations for {n} rows")
+    eps = [self._episode(task, obs, r) for r, (task, obs) in enumerate(zip(row_tasks, observations))]
+    sp = sampling_params(n, cfg.max_action_tokens, cfg.temperature, cfg.top_p, cfg.top_k,
+                         stop=[[i] for i in self.stop_ids])
+
+    for turn in range(cfg.max_turns):
+      live = [r for r in range(n) if eps[r].live]
+      if not live:
+        break
+      builders = {r: self.turn_prompt(eps[r].instruction, turn, eps[r].history, eps[r].state, eps[r].admissible,
+                                      where=f"task {eps[r].task.task_id!r} turn {turn}") for r in live}
+      prompts = {r: b.prompt() for r, b in builders.items()}
+      width = next(b for b in cfg.prompt_buckets if b >= max(len(p) for p in prompts.values()))
+      stats["buckets"].add(width)
+      tokens = np.full((n, width), tok.pad_id, np.int32)
+      mask = np.zeros((n, width), bool)
+      mask[:, -1] = True  # finished rows get a one-token dummy prompt: no row attends to nothing
+      budget = np.zeros(n, np.int32)
+      for r, p in prompts.items():
+        tokens[r, width - len(p):], mask[r, width - len(p):] = p, True
+        budget[r] = min(cfg.max_action_tokens, cfg.max_episode_tokens - eps[r].used)
+
+      t0 = time.perf_counter()
+      keys = _ROW_KEYS(key, turn, n)
+      out = jax.device_get(self.sampler(params, tokens, mask, keys, sp.replace(max_new_tokens=jnp.asarray(budget))))
+      stats["sample_s"] += time.perf_counter() - t0
+      stats["turns"] += 1
+
+      actions: list[str | None] = [None] * n
+      answers = {}
+      for r in live:
+        ids = np.asarray(out.tokens[r, :out.lengths[r]], np.int32)
+        stopped = bool(out.stopped[r])
+        text = tok.decode(ids[:-1] if stopped else ids)
+        answers[r] = (ids, np.asarray(out.logps[r, :len(ids)], np.float32), stopped, text, parse_answer(text))
+        actions[r] = answers[r][4].action
+      results: list[StepResult | None] = [None] * n
+      if any(a is not None for a in actions):
+        t0 = time.perf_counter()
+        results = list(env.step_batch(actions))
+        stats["env_s"] += time.perf_counter() - t0
+        if len(results) != n:
+          raise RuntimeError(f"RolloutEngine.run: env.step_batch returned {len(results)} results for {n} rows")
+
+      for r in live:
+        ids, logps, stopped, text, parsed = answers[r]
+        ep = eps[r]
+        builder = builders[r]
+        prompt_kinds = np.concatenate([np.asarray(builder.kinds, np.int32), self._frame])
+        if parsed.action is None:
+          stats["parse_failures"] += 1
+          reward, done, success, invalid, next_obs = 0.0, False, False, True, None
+          action, next_state = text, ep.state
+        else:
+          res = results[r]
+          if res is None:
+            raise RuntimeError(f"RolloutEngine.run: env.step_batch gave no result for stepped row {r} "
+                               f"(task {ep.task.task_id!r})")
+          reward, done, success, invalid = float(res.reward), bool(res.done), bool(res.success), bool(res.invalid)
+          stats["env_invalid"] += invalid
+          action, next_obs, next_state = parsed.action, res.observation, res.observation.state
+          score = res.info.get("score") if res.info else None
+          ep.score = float(score) if isinstance(score, int | float) and not isinstance(score, bool) else ep.score
+        ep.turns.append(_Turn(prompts[r], prompt_kinds, ids, logps, reward, done, invalid, truncated=not stopped))
+        ep.steps.append(StepRecord(ep.state, action, next_state, reward, done, success, invalid, ep.admissible,
+                                   "policy"))
+        ep.history.append((ep.state, parsed.action if parsed.action is not None else INVALID_ANSWER))
+        ep.used += len(ids)
+        stats["sampled_tokens"] += len(ids)
+        if next_obs is not None:
+          ep.state, ep.admissible = next_obs.state, tuple(next_obs.admissible)
+        if done:
+          ep.live, ep.ended, ep.success = False, True, success
+        elif turn + 1 >= cfg.max_turns or ep.used >= cfg.max_episode_tokens:
+          ep.live = False
+
+    t0 = time.perf_counter()
+    traj = self._assemble(eps, key, policy_version)
+    stats["total_s"] = time.perf_counter() - start
+    stats["host_s"] = stats["total_s"] - stats["sample_s"] - stats["env_s"]
+    stats.update(episodes=n, rows=traj.num_rows, buckets=sorted(stats["buckets"]),
+                 compilations=self.sampler.compilations(), assemble_s=time.perf_counter() - t0)
+    self.stats = stats
+    return traj
+
+  def _episode(self, task: Task, obs: Observation, row: int) -> _Episode:
+    if not isinstance(obs, Observation):
+      raise RuntimeError(f"RolloutEngine.run: env.reset_batch gave {type(obs).__name__} for row {row}")
+    return _Episode(task, obs.instruction or task.instruction, obs.state, tuple(obs.admissible))
+
+  def _assemble(self, eps: list[_Episode], key: jax.Array, policy_version: int) -> Trajectories:
+    g = self.cfg.group_size
+    turns = [(e, t, turn) for e, ep in enumerate(eps) for t, turn in enumerate(ep.turns)]
+    m = len(turns)
+    width = max([len(t.prompt) + len(t.sampled) for _, _, t in turns] + [1])
+    tokens = np.full((m, width), self.tokenizer.pad_id, np.int32)
+    kinds = np.full((m, width), Kind.PAD, np.int32)
+    logp = np.zeros((m, width), np.float32)
+    turn_rows = np.full((len(eps), self.cfg.max_turns), -1, np.int32)
+    for row, (e, t, turn) in enumerate(turns):
+      p, s = len(turn.prompt), len(turn.sampled)
+      tokens[row, :p], tokens[row, p:p + s] = turn.prompt, turn.sampled
+      kinds[row, :p], kinds[row, p:p + s] = turn.prompt_kinds, Kind.ACTION
+      logp[row, p:p + s] = turn.logps
+      turn_rows[e, t] = row
+    prompt_lengths = np.asarray([len(t.prompt) for _, _, t in turns], np.int32).reshape(m)
+    col = lambda f, dtype: np.asarray([f(t) for _, _, t in turns], dtype).reshape(m)  # noqa: E731
+    run_id = hashlib.blake2b(np.asarray(jax.random.key_data(key)).tobytes(), digest_size=6).hexdigest()
+    records = tuple(self._record(ep, r, run_id, policy_version) for r, ep in enumerate(eps))
+    return Trajectories(
+        tokens=tokens, kinds=kinds, loss_mask=(kinds == Kind.ACTION).astype(np.int32), rollout_logp=logp,
+        lengths=prompt_lengths + col(lambda t: len(t.sampled), np.int32), prompt_lengths=prompt_lengths,
+        episode=np.asarray([e for e, _, _ in turns], np.int32).reshape(m),
+        turn=np.asarray([t for _, t, _ in turns], np.int32).reshape(m),
+        reward=col(lambda t: t.reward, np.float32), done=col(lambda t: t.done, bool),
+        invalid=col(lambda t: t.invalid, bool), truncated=col(lambda t: t.truncated, bool),
+        group=np.arange(len(eps), dtype=np.int32) // g, task_index=np.arange(len(eps), dtype=np.int32) // g,
+        num_turns=np.asarray([len(ep.turns) for ep in eps], np.int32), turn_rows=turn_rows,
+        episode_reward=np.asarray([sum(t.reward for t in ep.turns) for ep in eps], np.float32),
+        success=np.asarray([ep.success for ep in eps], bool), ended=np.asarray([ep.ended for ep in eps], bool),
+        records=records,
+    )
+
+  @staticmethod
+  def _record(ep: _Episode, row: int, run_id: str, policy_version: int) -> TrajectoryRecord:
+    # Unique across runs (the key) and rows (a task may repeat in one batch); the seed names the row's randomness.
+    episode_id = f"policy:{ep.task.task_id}:v{policy_version}:{run_id}:{row}"
+    seed = int.from_bytes(hashlib.blake2b(f"{run_id}:{row}".encode(), digest_size=8).digest(), "little") >> 1
+    return TrajectoryRecord(episode_id, ep.task.env, ep.task, ep.instruction, "policy", seed, tuple(ep.steps),
+                            ep.success, len(ep.steps), ep.score)
