@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from dreamjax.config import load_config
 
+# command -> (help, "module:function taking the config"); modules are imported only when their command runs.
 COMMANDS = {
-    "demo": "sample a batch from a (tiny or real) checkpoint and report tokens/s",
-    "collect": "run expert/random/eps policies on a real env; write trajectories (JSONL, TFDS) and a summary",
+    "demo": ("sample a batch from a (tiny or real) checkpoint and report tokens/s", "dreamjax.demo:run"),
+    "collect": ("run expert/random/eps policies on a real env; write trajectories (JSONL, TFDS) and a summary",
+                "dreamjax.data.collect:run"),
+    "train-exp": ("train the experience model (SFT, Eq. 5) on offline trajectories; report its fidelity",
+                  "dreamjax.train.exp_sft:run"),
+    "train-policy": ("behaviour-clone a policy on expert trajectories (the SFT baseline and RL warm start)",
+                     "dreamjax.train.policy_sft:run"),
+    "dpo": ("DPO on successful vs failed trajectories of the same tasks (baseline)", "dreamjax.train.dpo:run"),
+    "rl": ("PPO or GRPO against a real environment, with periodic held-out evaluation", "dreamjax.train.rl_real:run"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="dreamjax", description="DreamGym in JAX")
   sub = parser.add_subparsers(dest="command", required=True)
-  for name, help_text in COMMANDS.items():
+  for name, (help_text, _) in COMMANDS.items():
     p = sub.add_parser(name, help=help_text)
     p.add_argument("--config", required=True, help="a Python config file defining config()")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
@@ -26,18 +35,12 @@ def main(argv: list[str] | None = None) -> int:
   except (FileNotFoundError, ValueError) as e:
     print(f"dreamjax {args.command}: {e}", file=sys.stderr)
     return 2
-  if args.command == "demo":
-    from dreamjax import demo
-
-    demo.run(cfg)
-  elif args.command == "collect":
-    from dreamjax.data import collect
-
-    try:
-      collect.run(cfg)
-    except ValueError as e:  # bad settings or a malformed trajectory file: the message names the field or line
-      print(f"dreamjax collect: {e}", file=sys.stderr)
-      return 2
+  module, function = COMMANDS[args.command][1].split(":")
+  try:
+    getattr(importlib.import_module(module), function)(cfg)
+  except ValueError as e:  # bad settings or a malformed input file: the message names the field, file or line
+    print(f"dreamjax {args.command}: {e}", file=sys.stderr)
+    return 2
   return 0
 
 
