@@ -54,6 +54,7 @@ class ModelOutput:
   logits: Float[Array, "B T V"]  # float32; T is 1 when `last_only`
   values: Float[Array, "B T"] | None  # value head output, float32, or None without a value head
   cache: KVCache | None
+  hidden: Float[Array, "B T E"] | None = None  # final hidden states after the final norm, with `return_hidden`
 
 
 def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str | None, ...], init=_INIT):
@@ -173,8 +174,12 @@ class Transformer(nn.Module):
       cache: KVCache | None = None,
       cache_index: Int[Array, ""] | int = 0,
       last_only: bool = False,
+      return_hidden: bool = False,
   ) -> ModelOutput:
-    """`key_valid` marks valid key slots: [B, T] without a cache, [B, cache.slots] with one (new tokens included)."""
+    """`key_valid` marks valid key slots: [B, T] without a cache, [B, cache.slots] with one (new tokens included).
+
+    `return_hidden` also returns the final-norm hidden states (what the LM head reads), e.g. for pooled text
+    embeddings; under jit, a caller that uses only them lets XLA drop the vocabulary projection."""
     cfg = self.config
     dt = jnp.dtype(cfg.dtype)
     embedding = _param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"))
@@ -206,4 +211,4 @@ class Transformer(nn.Module):
     if cfg.value_head:
       w = _param(self, "value_head", (cfg.hidden_size,), ("embed",), nn.initializers.zeros)
       values = jnp.einsum("bte,e->bt", x.astype(jnp.float32), w.astype(jnp.float32))
-    return ModelOutput(logits=logits, values=values, cache=new_cache)
+    return ModelOutput(logits=logits, values=values, cache=new_cache, hidden=x if return_hidden else None)
