@@ -1,0 +1,54 @@
+"""The trainer's state pytree (step, parameters, optimizer state) and where each leaf lives on the mesh.
+
+Optimizer moments are copies of the parameter tree, so they take the parameters' shardings
+(`optax.tree_utils.tree_map_params` finds them inside any optax state); scalars such as Adam's count are replicated.
+The train step's in/out shardings come from `train_state_shardings`, so parameters never move between steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+from jaxtyping import Array, Int
+
+from dreamjax.models.config import ModelConfig
+from dreamjax.models.params import abstract_params, param_shardings
+from dreamjax.parallel.sharding import TRAIN_RULES, Rules
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: Int[Array, ""]
+  params: Any
+  opt_state: optax.OptState
+
+
+def train_state_shardings(cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh,
+                          rules: Rules = TRAIN_RULES) -> TrainState:
+  """A TrainState of NamedShardings: parameters and their optimizer copies by the rules, everything else replicated."""
+  p_shard = param_shardings(cfg, mesh, rules)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  opt_abstract = jax.eval_shape(optimizer.init, nn.unbox(abstract_params(cfg)))
+  opt_shard = optax.tree_utils.tree_map_params(
+      optimizer, lambda _, s: s, opt_abstract, p_shard, transform_non_params=lambda _: replicated,
+      is_leaf=lambda x: isinstance(x, NamedSharding),
+  )
+  return TrainState(step=replicated, params=p_shard, opt_state=opt_shard)
+
+
+def create_train_state(cfg: ModelConfig, params, optimizer: optax.GradientTransformation,
+                       mesh: jax.sharding.Mesh | None = None, rules: Rules = TRAIN_RULES) -> TrainState:
+  """A fresh state at step 0; with a mesh, parameters are resharded for training and moments are created in place."""
+  if mesh is None:
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+  shardings = train_state_shardings(cfg, optimizer, mesh, rules)
+  params = jax.device_put(params, shardings.params)
+  init = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p)),
+                 in_shardings=(shardings.params,), out_shardings=shardings)
+  return init(params)

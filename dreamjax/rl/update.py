@@ -1,0 +1,148 @@
+"""The jitted update step: `(state, batch, rng) -> (state, metrics)` with micro-batch gradient accumulation.
+
+Accumulation. The batch's B rows are split by stride into k micro-batches (`dreamjax.rl.batch.split_micro_batches`)
+and a `lax.scan` sums their gradients, so activation memory is that of B / k rows. Micro-batch i's loss is an average
+over its own count n_i (`Objective.normalizer`: loss tokens for `token_mean`, rows with a loss token for the
+seq-mean modes, complete pairs for DPO) and is weighted by n_i / sum_j n_j. Since a row never straddles micro-batches
+(nor a DPO pair, by construction of `dpo_batch`), the weighted sum is exactly the loss of the whole batch under the
+same aggregation, and so is its gradient: k micro-batches and one big batch give the same update up to float32
+rounding (tested).
+Metrics describe the whole batch too: loss parts combine with the loss's weights, per-token (DPO: per-pair) means
+with token (pair) counts, maxima with a max; only `explained_variance`, not a mean, is approximated.
+Gradients accumulate in float32 whatever the parameter dtype.
+
+Sharding. With a mesh, the state keeps the shardings of `train_state_shardings` (in = out, donated, so parameters and
+moments are updated in place), batch rows are split over the rules' `batch` axes (data, fsdp), and the model's logical
+activation constraints apply under the rules. Rematerialisation inside the model follows `ModelConfig.remat`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from dreamjax.models.config import ModelConfig
+from dreamjax.parallel.sharding import TRAIN_RULES, Rules, logical_to_spec
+from dreamjax.rl.batch import TokenBatch, split_micro_batches
+from dreamjax.rl.losses import safe_div
+from dreamjax.rl.objectives import LOSS_METRICS, Objective
+from dreamjax.rl.optim import current_learning_rate
+from dreamjax.rl.train_state import TrainState, train_state_shardings
+
+
+def _combine(metrics: dict[str, jax.Array], loss_weights: jax.Array, metric_weights: jax.Array) -> dict[str, jax.Array]:
+  """[k]-stacked micro-batch metrics -> whole-batch metrics: loss parts weighted like the loss, means over tokens
+  (or pairs) by their counts, maxima by max."""
+
+  def one(name, v):
+    if name.endswith("_max"):
+      return jnp.max(v)
+    return jnp.sum(v * (loss_weights if name in LOSS_METRICS else metric_weights))
+
+  return {k: one(k, v) for k, v in metrics.items()}
+
+
+def _train_step(state: TrainState, batch: TokenBatch, rng: jax.Array, *, model_cfg: ModelConfig,
+                objective: Objective, optimizer: optax.GradientTransformation, micro_batches: int,
+                grad_shardings=None) -> tuple[TrainState, dict[str, jax.Array]]:
+  micro = split_micro_batches(batch, micro_batches)
+  counts = jax.vmap(objective.normalizer)(micro)  # [k]
+  weights = safe_div(counts, jnp.sum(counts))
+  metric_counts = jax.vmap(objective.metric_normalizer)(micro)
+  grad_fn = jax.value_and_grad(functools.partial(objective.loss, model_cfg), has_aux=True)
+
+  def constrain_grads(g):
+    return g if grad_shardings is None else jax.lax.with_sharding_constraint(g, grad_shardings)
+
+  def body(acc, xs):
+    mb, weight, i = xs
+    (loss, metrics), grads = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
+    acc = jax.tree.map(lambda a, g: a + weight * g.astype(jnp.float32), acc, grads)
+    return constrain_grads(acc), (loss, metrics)
+
+  zeros = constrain_grads(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params))
+  if micro_batches == 1:
+    grads, (losses, metrics) = body(zeros, (jax.tree.map(lambda x: x[0], micro), weights[0], 0))
+    losses, metrics = losses[None], jax.tree.map(lambda x: x[None], metrics)
+  else:
+    grads, (losses, metrics) = jax.lax.scan(body, zeros, (micro, weights, jnp.arange(micro_batches)))
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+  metrics = _combine(metrics, weights, safe_div(metric_counts, jnp.sum(metric_counts)))
+  metrics["loss"] = jnp.sum(losses * weights)
+  metrics["grad_norm"] = optax.tree.norm(grads)  # before the optimizer's clipping
+  metrics["num_loss_tokens"] = jnp.sum(batch.loss_mask)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  lr = current_learning_rate(opt_state)
+  if lr is not None:
+    metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def batch_shardings(mesh: jax.sharding.Mesh, rules: Rules = TRAIN_RULES) -> TokenBatch:
+  """A TokenBatch of shardings: rows over the rules' `batch` axes, everything else whole."""
+  spec = logical_to_spec(("batch",), (int(np.prod(list(mesh.shape.values()))),), mesh, rules)
+  rows = NamedSharding(mesh, PartitionSpec(spec[0], None))
+  flat = NamedSharding(mesh, PartitionSpec(spec[0]))
+  fields = {f: rows for f in ("tokens", "positions", "valid", "loss_mask", "old_logp", "ref_logp", "advantages",
+                              "returns", "old_values")}
+  return TokenBatch(**fields, pair=flat, chosen=flat)
+
+
+def data_parallel_size(mesh: jax.sharding.Mesh | None, rules: Rules = TRAIN_RULES) -> int:
+  """How many ways batch rows are split: batches must have a multiple of micro_batches x this many rows."""
+  if mesh is None:
+    return 1
+  spec = logical_to_spec(("batch",), (int(np.prod(list(mesh.shape.values()))),), mesh, rules)[0]
+  axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+  return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+class TrainStep:
+  """The jitted step bound to a model, objective, optimizer and (optionally) mesh. Call as `step(state, batch, rng)`;
+  the state argument is donated (do not reuse it after the call)."""
+
+  def __init__(self, model_cfg: ModelConfig, objective: Objective, optimizer: optax.GradientTransformation, *,
+               micro_batches: int = 1, mesh: jax.sharding.Mesh | None = None, rules: Rules = TRAIN_RULES):
+    if micro_batches < 1:
+      raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    objective.check(model_cfg)
+    self.model_cfg, self.objective, self.micro_batches, self.mesh, self.rules = (
+        model_cfg, objective, micro_batches, mesh, rules)
+    self.row_multiple = micro_batches * data_parallel_size(mesh, rules)
+    fn = functools.partial(_train_step, model_cfg=model_cfg, objective=objective, optimizer=optimizer,
+                           micro_batches=micro_batches)
+    if mesh is None:
+      self._fn = jax.jit(fn, donate_argnums=0)
+      return
+    state_sh = train_state_shardings(model_cfg, optimizer, mesh, rules)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    fn = functools.partial(fn, grad_shardings=state_sh.params)
+    self._fn = jax.jit(fn, in_shardings=(state_sh, batch_shardings(mesh, rules), replicated),
+                       out_shardings=(state_sh, replicated), donate_argnums=0)
+
+  def compilations(self) -> int:
+    return self._fn._cache_size()
+
+  def __call__(self, state: TrainState, batch: TokenBatch, rng: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+    if batch.num_rows % self.row_multiple:
+      raise ValueError(f"TrainStep: the batch has {batch.num_rows} rows, not a multiple of {self.row_multiple} "
+                       f"(micro_batches {self.micro_batches} x data-parallel size); build it with "
+                       f"row_multiple={self.row_multiple}")
+    if self.mesh is None:
+      return self._fn(state, batch, rng)
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+      return self._fn(state, batch, rng)
+
+
+def make_train_step(model_cfg: ModelConfig, objective: Objective, optimizer: optax.GradientTransformation, *,
+                    micro_batches: int = 1, mesh: jax.sharding.Mesh | None = None,
+                    rules: Rules = TRAIN_RULES) -> TrainStep:
+  """See `TrainStep`."""
+  return TrainStep(model_cfg, objective, optimizer, micro_batches=micro_batches, mesh=mesh, rules=rules)

@@ -1,0 +1,186 @@
+"""Batch builders: advantages land exactly on the action tokens of the right turns; SFT and DPO layouts; padding."""
+
+import numpy as np
+import pytest
+
+from dreamjax.rl.batch import dpo_batch, rl_batch, sft_batch, split_micro_batches
+from dreamjax.rollout.trajectory import Trajectories
+from dreamjax.text import Kind
+
+# Four episodes in two groups (tasks). Each turn row: (episode, turn, prompt length, action length, reward, invalid).
+TURNS = [
+    (0, 0, 4, 2, 0.0, False), (0, 1, 3, 3, 1.0, False),  # group 0: success in 2 turns
+    (1, 0, 5, 1, 0.0, True),  # group 0: one invalid turn, then the env ended it
+    (2, 0, 2, 2, 0.0, False), (2, 1, 4, 1, 0.0, False), (2, 2, 3, 2, 0.0, False),  # group 1: ran out of turns
+    (3, 0, 3, 3, 1.0, False),  # group 1: success
+]
+GROUP = [0, 0, 1, 1]
+ENDED = [True, True, False, True]
+T = 7
+
+
+def make_traj(rows=TURNS) -> Trajectories:
+  m = len(rows)
+  rng = np.random.RandomState(0)
+  tokens, kinds = np.zeros((m, T), np.int32), np.zeros((m, T), np.int32)
+  logp = np.zeros((m, T), np.float32)
+  for i, (_, _, p, a, _, _) in enumerate(rows):
+    tokens[i, :p + a] = rng.randint(1, 50, p + a)
+    kinds[i, :p] = Kind.OBSERVATION
+    kinds[i, p:p + a] = Kind.ACTION
+    logp[i, p:p + a] = -rng.rand(a)
+  n = max(r[0] for r in rows) + 1
+  num_turns = np.bincount([r[0] for r in rows], minlength=n).astype(np.int32)
+  turn_rows = np.full((n, num_turns.max()), -1, np.int32)
+  for i, (e, k, *_) in enumerate(rows):
+    turn_rows[e, k] = i
+  reward = np.array([r[4] for r in rows], np.float32)
+  episode = np.array([r[0] for r in rows], np.int32)
+  ep_reward = np.zeros(n, np.float32)
+  np.add.at(ep_reward, episode, reward)
+  return Trajectories(
+      tokens=tokens, kinds=kinds, loss_mask=(kinds == Kind.ACTION).astype(np.int32), rollout_logp=logp,
+      lengths=np.array([r[2] + r[3] for r in rows], np.int32), prompt_lengths=np.array([r[2] for r in rows], np.int32),
+      episode=episode, turn=np.array([r[1] for r in rows], np.int32), reward=reward,
+      done=np.array([k == num_turns[e] - 1 and ENDED[e] for e, k, *_ in rows]),
+      invalid=np.array([r[5] for r in rows]), truncated=np.zeros(m, bool), group=np.array(GROUP, np.int32),
+      task_index=np.array(GROUP, np.int32), num_turns=num_turns, turn_rows=turn_rows, episode_reward=ep_reward,
+      success=ep_reward > 0, ended=np.array(ENDED), records=(),
+  )
+
+
+def action_cols(i):
+  _, _, p, a, _, _ = TURNS[i]
+  return np.arange(p, p + a)
+
+
+def check_on_actions(arr, per_row):
+  """arr[i] equals per_row[i] on row i's action tokens and 0 everywhere else (padding included)."""
+  expected = np.zeros_like(arr)
+  for i, v in enumerate(per_row):
+    expected[i, action_cols(i)] = v
+  np.testing.assert_allclose(arr, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_grpo_advantages_on_action_tokens_with_invalid_penalty():
+  traj = make_traj()
+  b = rl_batch(traj, advantage="grpo", invalid_penalty=0.1, pad_to=64, row_multiple=4)
+  assert b.tokens.shape == (8, 64) and b.loss_mask.shape == (8, 64) and b.pair.shape == (8,)
+  # Episode returns: 1.0, -0.1 (group 0); 0.0, 1.0 (group 1). Unbiased std of two values a, b is |a - b| / sqrt 2.
+  a0 = (1.0 - 0.45) / (1.1 / np.sqrt(2) + 1e-6)
+  a1 = 0.5 / (1.0 / np.sqrt(2) + 1e-6)
+  per_episode = [a0, -a0, -a1, a1]
+  check_on_actions(np.asarray(b.advantages)[:7, :T], [per_episode[r[0]] for r in TURNS])
+  assert not np.asarray(b.advantages)[:, T:].any() and not np.asarray(b.advantages)[7:].any()
+  check_on_actions(np.asarray(b.loss_mask)[:7, :T], [1.0] * 7)
+  np.testing.assert_array_equal(np.asarray(b.old_logp)[:7, :T], traj.rollout_logp)
+  # Positions count valid tokens; padding rows are empty.
+  np.testing.assert_array_equal(np.asarray(b.positions)[1, :6], np.arange(6))
+  assert not np.asarray(b.valid)[7:].any() and np.asarray(b.valid).sum() == traj.lengths.sum()
+  # Dr. GRPO (no std division) shows the penalty: group 0 centres (1, -0.1) to +-0.55, (1, 0) to +-0.5.
+  for penalty, centred in ((0.1, 0.55), (0.0, 0.5)):
+    b0 = rl_batch(traj, advantage="grpo", invalid_penalty=penalty, normalize_std=False, pad_to=8)
+    assert b0.tokens.shape == (7, 8)
+    check_on_actions(np.asarray(b0.advantages)[:, :T], [(centred, -centred, -0.5, 0.5)[r[0]] for r in TURNS])
+
+
+def test_gae_over_turns_uses_turn_state_values():
+  traj = make_traj()
+  rng = np.random.RandomState(1)
+  values = rng.randn(len(TURNS), T).astype(np.float32)
+  gamma, lam = 0.9, 0.8
+  b = rl_batch(traj, advantage="gae_turn", values=values, gamma=gamma, lam=lam, pad_to=16)
+  # Reference: a direct backward recursion per episode over its turns.
+  adv_rows, ret_rows = {}, {}
+  for e in range(4):
+    rows = [i for i, r in enumerate(TURNS) if r[0] == e]
+    v = [values[i, TURNS[i][2]] for i in rows]  # value at the first action token (state of the turn)
+    nxt = 0.0 if ENDED[e] else v[-1]
+    running = 0.0
+    for k in reversed(range(len(rows))):
+      delta = TURNS[rows[k]][4] + gamma * nxt - v[k]
+      running = delta + gamma * lam * running
+      adv_rows[rows[k]], ret_rows[rows[k]] = running, running + v[k]
+      nxt = v[k]
+  check_on_actions(np.asarray(b.advantages)[:7, :T], [adv_rows[i] for i in range(7)])
+  check_on_actions(np.asarray(b.returns)[:7, :T], [ret_rows[i] for i in range(7)])
+  np.testing.assert_array_equal(np.asarray(b.old_values)[:7, :T], values)
+
+
+def test_gae_over_tokens_runs_across_turns():
+  traj = make_traj()
+  values = np.random.RandomState(2).randn(len(TURNS), T).astype(np.float32)
+  gamma, lam = 0.95, 0.9
+  b = rl_batch(traj, advantage="gae_token", values=values, gamma=gamma, lam=lam, invalid_penalty=0.5, pad_to=16)
+  expected_adv = np.zeros((7, T), np.float32)
+  for e in range(4):
+    steps = []  # (row, col, reward) over the episode's action tokens in order
+    for i in [i for i, r in enumerate(TURNS) if r[0] == e]:
+      cols = action_cols(i)
+      reward = TURNS[i][4] - 0.5 * TURNS[i][5]
+      steps += [(i, c, reward if c == cols[-1] else 0.0) for c in cols]
+    nxt = 0.0 if ENDED[e] else values[steps[-1][0], steps[-1][1]]
+    running = 0.0
+    for i, c, r in reversed(steps):
+      running = r + gamma * nxt - values[i, c] + gamma * lam * running
+      expected_adv[i, c] = running
+      nxt = values[i, c]
+  np.testing.assert_allclose(np.asarray(b.advantages)[:7, :T], expected_adv, rtol=1e-5, atol=1e-6)
+  mask = traj.loss_mask > 0
+  np.testing.assert_allclose(np.asarray(b.returns)[:7, :T], np.where(mask, expected_adv + values, 0), rtol=1e-5,
+                             atol=1e-6)
+
+
+def test_whitening_is_over_loss_tokens():
+  traj = make_traj()
+  values = np.random.RandomState(3).randn(len(TURNS), T).astype(np.float32)
+  b = rl_batch(traj, advantage="gae_turn", values=values, whiten_advantages=True, pad_to=8)
+  adv = np.asarray(b.advantages)[np.asarray(b.loss_mask) > 0]
+  assert abs(adv.mean()) < 1e-5 and abs(adv.std(ddof=1) - 1) < 1e-4
+  assert not np.asarray(b.advantages)[np.asarray(b.loss_mask) == 0].any()
+
+
+def test_rl_batch_errors_name_the_problem():
+  traj = make_traj()
+  with pytest.raises(ValueError, match="unknown advantage 'gae'"):
+    rl_batch(traj, advantage="gae")
+  with pytest.raises(ValueError, match="needs critic `values`"):
+    rl_batch(traj, advantage="gae_turn")
+  with pytest.raises(ValueError, match=r"ref_logp has shape \(7, 3\)"):
+    rl_batch(traj, ref_logp=np.zeros((7, 3)))
+
+
+def test_sft_batch_masks_and_padding():
+  b = sft_batch([[5, 6, 7], [8, 9, 10, 11, 12]], [[1, 1, 1], [0, 0, 1, 1, 0]], pad_to=4, row_multiple=4)
+  assert b.tokens.shape == (4, 8)
+  np.testing.assert_array_equal(np.asarray(b.loss_mask)[:2, :5], [[0, 1, 1, 0, 0], [0, 0, 1, 1, 0]])  # t=0 never
+  np.testing.assert_array_equal(np.asarray(b.tokens)[1, :5], [8, 9, 10, 11, 12])
+  assert not np.asarray(b.valid)[2:].any()
+  with pytest.raises(ValueError, match="sft_batch row 1: token ids"):
+    sft_batch([[1, 2], [3, 4]], [[0, 1], [0, 1, 1]])
+  with pytest.raises(ValueError, match="sft_batch row 0: loss mask must hold only 0 and 1"):
+    sft_batch([[1, 2]], [[0, 2]])
+
+
+def test_dpo_batch_keeps_pairs_inside_micro_batches():
+  rng = np.random.RandomState(4)
+
+  def rows(n):
+    return [(rng.randint(1, 50, 5), [0, 0, 1, 1, 1]) for _ in range(n)]
+
+  pairs = [(rows(2), rows(1)), (rows(1), rows(1)), (rows(3), rows(2)), (rows(1), rows(2))]
+  b = dpo_batch(pairs, micro_batches=2, pad_to=8, row_multiple=4)
+  assert b.tokens.shape[0] % 4 == 0
+  micro = split_micro_batches(b, 2)
+  seen = []
+  for j in range(2):
+    present = np.asarray(micro.valid[j]).any(-1)
+    ids = np.asarray(micro.pair[j])[present]
+    chosen = np.asarray(micro.chosen[j])[present]
+    for p in np.unique(ids):
+      seen.append((int((chosen & (ids == p)).sum()), int((~chosen & (ids == p)).sum())))
+      assert set(np.unique(ids)) == set(range(len(np.unique(ids))))  # local ids 0..n-1
+  assert sorted(seen) == sorted([(2, 1), (1, 1), (3, 2), (1, 2)])
+  assert np.asarray(b.valid).any(-1).sum() == 13
+  with pytest.raises(ValueError, match="dpo_batch pair 0: needs at least one chosen and one rejected row"):
+    dpo_batch([(rows(1), [])])

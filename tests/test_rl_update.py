@@ -1,0 +1,312 @@
+"""Token log-probs (exact, and equal to the sampler's), objectives, and the jitted update step with accumulation.
+
+Compilation dominates the run time on a shared 2-core CPU, so the model has one layer, every batch has the same shape,
+and train steps are built once per (objective, optimizer, micro-batches) and shared between tests (`train_step`).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from dreamjax.models import Transformer, init_params, tiny
+from dreamjax.parallel import MeshConfig, make_mesh
+from dreamjax.rl.batch import TokenBatch, dpo_batch, sft_batch
+from dreamjax.rl.logprobs import LogpScorer, row_positions, token_logps
+from dreamjax.rl.objectives import PolicyGradientConfig, make_objective
+from dreamjax.rl.optim import OptimConfig, make_optimizer, make_schedule
+from dreamjax.rl.train_state import create_train_state
+from dreamjax.rl.update import make_train_step
+from dreamjax.sampling import Sampler, sampling_params
+
+CFG = tiny("qwen2", vocab_size=97, num_layers=1)
+CFG_V = CFG.replace(value_head=True)
+B, T = 8, 16
+ADAM = OptimConfig(lr=1e-2, warmup_steps=1, schedule="cosine", total_steps=10, eps=1e-3, weight_decay=0.1)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return init_params(CFG, jax.random.key(0))
+
+
+def sgd() -> optax.GradientTransformation:
+  # Plain SGD (lr 1) whose zero-decay trace keeps the gradient itself in the optimizer state, bit for bit.
+  return optax.chain(optax.trace(decay=0.0), optax.scale(-1.0))
+
+
+def grads_of(state):
+  return state.opt_state[0].trace
+
+
+_OPTIMIZERS = {"sgd": sgd(), "adam": make_optimizer(ADAM), "adam_const": make_optimizer(OptimConfig(lr=1e-2)),
+               "adam_vh": make_optimizer(OptimConfig(lr=1e-3, value_head_lr_multiplier=10.0, weight_decay=0.01))}
+
+
+@functools.cache
+def train_step(cfg, objective, opt: str, k: int, mesh=None):
+  return make_train_step(cfg, objective, _OPTIMIZERS[opt], micro_batches=k, mesh=mesh)
+
+
+def fresh_state(cfg, p, opt: str, mesh=None):
+  return create_train_state(cfg, jax.tree.map(jnp.array, p), _OPTIMIZERS[opt], mesh=mesh)
+
+
+def rows(seed: int):
+  """Random right-padded [B, T] rows: tokens, valid and a loss mask over a suffix of each row (the 'action')."""
+  rng = np.random.RandomState(seed)
+  tokens = rng.randint(1, CFG.vocab_size, (B, T)).astype(np.int32)
+  lengths = rng.randint(T // 2, T + 1, B)
+  valid = np.arange(T)[None] < lengths[:, None]
+  starts = rng.randint(1, T // 2, B)
+  mask = (np.arange(T)[None] >= starts[:, None]) & valid
+  return tokens, valid, mask.astype(np.float32)
+
+
+_logps = jax.jit(token_logps, static_argnums=0)
+
+
+def pg_batch(seed: int, params, cfg=CFG) -> TokenBatch:
+  """A policy-gradient batch of random rows with random advantages, returns and old values; old_logp is the current
+  policy's (PPO's first epoch) plus noise, so ratios are near 1 and some get clipped."""
+  tokens, valid, mask = rows(seed)
+  rng = np.random.RandomState(seed + 1)
+  f = lambda scale=1.0: (rng.randn(B, T) * scale * mask).astype(np.float32)  # noqa: E731
+  old = np.asarray(_logps(cfg, params, tokens, row_positions(valid), valid).logp)
+  return TokenBatch(tokens=tokens, positions=row_positions(valid), valid=valid, loss_mask=mask,
+                    old_logp=(old + f(0.2)) * mask, ref_logp=(old + f(0.1)) * mask, advantages=f(), returns=f(),
+                    old_values=f(0.1), pair=np.zeros(B, np.int32), chosen=np.zeros(B, bool))
+
+
+def max_rel_diff(a, b) -> float:
+  """Largest |a - b| per leaf relative to the leaf's largest |b|."""
+  return max(float(jnp.max(jnp.abs(x - y)) / (jnp.max(jnp.abs(y)) + 1e-30))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+# Log-probs.
+
+def test_token_logps_equal_float64_reference():
+  p = init_params(CFG_V, jax.random.key(1))
+  p["value_head"] = jax.random.normal(jax.random.key(2), p["value_head"].shape) * 0.1
+  tokens, valid, _ = rows(0)
+  valid[2, :4] = False  # a left-padded row: its first valid token has no context and no log-prob
+  pos = row_positions(valid)
+
+  @jax.jit
+  def run(p):
+    out = Transformer(CFG_V).apply({"params": p}, tokens, pos, valid)
+    # One projection, and chunks of 6 that do not divide T (padded, mapped, rematerialised).
+    return out, [token_logps(CFG_V, p, tokens, pos, valid, with_entropy=True, with_values=True, chunk_size=c)
+                 for c in (None, 6)]
+
+  out, results = run(p)
+  logits = np.asarray(out.logits, np.float64)
+  logits = logits - logits.max(-1, keepdims=True)
+  logsm = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  scored = np.zeros_like(valid)
+  scored[:, 1:] = valid[:, 1:] & valid[:, :-1]
+  ref = {k: np.zeros((B, T)) for k in ("logp", "entropy", "values")}
+  ref["logp"][:, 1:] = np.take_along_axis(logsm[:, :-1], tokens[:, 1:, None], -1)[..., 0]
+  ref["entropy"][:, 1:] = -(np.exp(logsm) * logsm).sum(-1)[:, :-1]
+  ref["values"][:, 1:] = np.asarray(out.values, np.float64)[:, :-1]
+  for got in results:
+    for k, r in ref.items():
+      np.testing.assert_allclose(getattr(got, k), np.where(scored, r, 0), rtol=1e-5, atol=1e-6, err_msg=k)
+  assert results[0].logp[2, 4] == 0 and results[0].logp[2, 5] != 0
+
+
+@pytest.mark.slow
+def test_chunked_projection_gradients_equal_direct(params):
+  tokens, valid, _ = rows(1)
+  pos = row_positions(valid)
+  grads = jax.jit(lambda p: [jax.grad(lambda q, c=c: jnp.sum(token_logps(CFG, q, tokens, pos, valid, chunk_size=c)
+                                                             .logp))(p) for c in (None, 6)])(params)
+  assert max_rel_diff(grads[1], grads[0]) < 1e-5
+
+
+def test_token_logps_equal_sampler_logps(params):
+  """No drift between rollout and update: the update's log-probs of sampled tokens are the sampler's, at the rollout
+  temperature, through the host-side scorer with its row batching and length padding."""
+  n, prompt_len = 12, 9
+  rng = np.random.RandomState(3)
+  prompts = rng.randint(1, CFG.vocab_size, (4, prompt_len)).astype(np.int32)
+  prompt_mask = np.arange(prompt_len)[None] < np.array([9, 4, 7, 2])[:, None]
+  sampler = Sampler(CFG, n)
+  for temperature in (1.0, 0.7):
+    sp = sampling_params(4, n, temperature=temperature, top_p=1.0, stop=[[5]])
+    out = sampler(params, prompts, prompt_mask, jax.random.key(4), sp)
+    seq = np.zeros((4, prompt_len + n), np.int32)
+    valid = np.zeros_like(seq, bool)
+    spans = []
+    for b in range(4):
+      p, k = int(prompt_mask[b].sum()), int(out.lengths[b])
+      seq[b, :p], seq[b, p:p + k] = prompts[b, :p], np.asarray(out.tokens)[b, :k]
+      valid[b, :p + k] = True
+      spans.append((p, k))
+    got, _ = LogpScorer(CFG, batch_size=3, temperature=temperature, pad_to=16)(params, seq, None, valid)
+    assert got.shape == seq.shape
+    for b, (p, k) in enumerate(spans):
+      np.testing.assert_allclose(got[b, p:p + k], np.asarray(out.logps)[b, :k], rtol=1e-5, atol=1e-5)
+      assert not got[b, p + k:].any()
+    assert sampler.compilations() == 1
+
+
+# Update steps.
+
+@pytest.mark.parametrize("agg", ["token_mean", pytest.param("seq_mean_token_mean", marks=pytest.mark.slow)])
+def test_grad_accumulation_equals_one_big_batch(params, agg):
+  """4 micro-batches give the gradient and metrics of one batch, for per-token and per-row averaging."""
+  batch = pg_batch(5, params)
+  batch = batch.replace(loss_mask=np.where(np.arange(B)[:, None] == 2, 0, batch.loss_mask))  # an empty row
+  objective = make_objective("grpo", agg=agg, entropy_coef=0.01)
+  (g1, m1), (g4, m4) = [(grads_of(s), m) for s, m in (
+      train_step(CFG, objective, "sgd", k)(fresh_state(CFG, params, "sgd"), batch, jax.random.key(0))
+      for k in (1, 4))]
+  # Float32 rounding differs between matmul shapes (~1e-6); a wrong micro-batch weight is off by 10% or more.
+  assert max_rel_diff(g4, g1) < 2e-5, agg
+  for key in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "approx_kl", "grad_norm", "num_loss_tokens",
+              "ratio_max"):
+    np.testing.assert_allclose(m4[key], m1[key], rtol=1e-5, err_msg=f"{agg} {key}")
+
+
+def test_grpo_steps_on_the_mesh_equal_one_device(params):
+  """A GRPO step (AdamW, warmup + cosine, 2 micro-batches) with sane metrics; sharded over data=2, fsdp=2, tensor=2
+  it gives the single-device parameters within 1e-5."""
+  objective = make_objective("grpo", entropy_coef=0.01)
+  batch = pg_batch(6, params)
+  mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+  single, sharded = fresh_state(CFG, params, "adam"), fresh_state(CFG, params, "adam", mesh)
+  step, mesh_step = train_step(CFG, objective, "adam", 2), train_step(CFG, objective, "adam", 2, mesh)
+  assert step.row_multiple == 2 and mesh_step.row_multiple == 8
+  shardings = jax.tree.map(lambda x: x.sharding, sharded)
+  for i in range(2):
+    single, m = step(single, batch, jax.random.key(i))
+    sharded, ms = mesh_step(sharded, batch, jax.random.key(i))
+    assert all(np.isfinite(float(v)) for v in m.values())
+    np.testing.assert_allclose(m["learning_rate"], make_schedule(ADAM)(i), rtol=1e-6)
+    for key in m:
+      np.testing.assert_allclose(ms[key], m[key], rtol=1e-5, atol=1e-7, err_msg=key)
+  assert float(m["learning_rate"]) > 0 and int(single.step) == 2
+  assert max_rel_diff(single.params, params) > 1e-3  # the second step moved the parameters
+  assert 0 < float(m["clip_frac"]) < 1 and float(m["kl"]) > 0 and float(m["entropy"]) > 0
+  assert 0.7 < float(m["ratio_mean"]) < 1.4 and float(m["grad_norm"]) > 0
+  assert float(m["num_loss_tokens"]) == batch.loss_mask.sum()
+  assert max_rel_diff(sharded.params, single.params) < 1e-5
+  assert jax.tree.map(lambda x: x.sharding, sharded) == shardings  # donated and updated in place
+  assert sharded.params["layers_0"]["mlp"]["gate"].sharding.spec == P("fsdp", "tensor")
+  assert sharded.opt_state[1].mu["layers_0"]["mlp"]["gate"].sharding.spec == P("fsdp", "tensor")
+  assert step.compilations() == 1 and mesh_step.compilations() == 1
+  with pytest.raises(ValueError, match="not a multiple of 8"):
+    mesh_step(sharded, jax.tree.map(lambda x: x[:4], batch), jax.random.key(0))
+
+
+def test_ppo_step_trains_the_value_head():
+  p = init_params(CFG_V, jax.random.key(7))
+  batch = pg_batch(8, p, CFG_V)
+  objective = make_objective("ppo")
+  state, m = train_step(CFG_V, objective, "adam_vh", 1)(fresh_state(CFG_V, p, "adam_vh"), batch, jax.random.key(0))
+  assert all(np.isfinite(float(v)) for v in m.values())
+  assert {"vf_loss", "pg_loss", "explained_variance", "vf_clip_frac", "approx_kl", "entropy"} <= set(m)
+  assert float(m["vf_loss"]) > 0 and "kl" not in m
+  # The value head starts at zero; Adam's first step moves every entry by lr x multiplier.
+  np.testing.assert_allclose(np.abs(state.params["value_head"]), 1e-2, rtol=1e-2)
+  assert 0 < float(jnp.max(jnp.abs(state.params["lm_head"] - p["lm_head"]))) < 2e-3
+  with pytest.raises(ValueError, match="no value head"):
+    make_train_step(CFG, objective, _OPTIMIZERS["adam"])
+
+
+def test_tokens_outside_the_mask_get_no_gradient(params):
+  batch = pg_batch(9, params)
+  lengths = batch.valid.sum(1)
+  batch = batch.replace(loss_mask=batch.loss_mask * (np.arange(T)[None] < lengths[:, None] - 3))  # observations after
+  objective = make_objective("ppo", vf_coef=0.0, kl_coef=0.05, entropy_coef=0.01)
+  grad_fn = jax.jit(jax.grad(lambda p, b: objective.loss(CFG, p, b, jax.random.key(0))[0], (0, 1), allow_int=True))
+  g_params, g_batch = grad_fn(params, batch)
+  # The per-token inputs of the loss (advantages, old and reference log-probs) count only under the mask.
+  mask = batch.loss_mask > 0
+  for field in ("advantages", "old_logp", "ref_logp"):
+    arr = np.asarray(getattr(g_batch, field))
+    assert not arr[~mask].any(), field
+    assert np.count_nonzero(arr[mask]) > mask.sum() // 2, field
+  # Tokens after a row's last masked token are observations the loss never scores: changing them changes nothing.
+  tokens = np.array(batch.tokens)
+  last = T - 1 - np.argmax(mask[:, ::-1], 1)
+  after = (np.arange(T)[None] > last[:, None]) & batch.valid
+  assert after.sum() >= 12
+  tokens[after] = (tokens[after] + 7) % CFG.vocab_size
+  assert max_rel_diff(grad_fn(params, batch.replace(tokens=tokens))[0], g_params) == 0
+  # ...whereas changing masked target tokens does.
+  tokens[mask] = (tokens[mask] + 7) % CFG.vocab_size
+  assert max_rel_diff(grad_fn(params, batch.replace(tokens=tokens))[0], g_params) > 1e-2
+
+
+def test_sft_memorises():
+  rng = np.random.RandomState(10)
+  ids = [rng.randint(1, CFG.vocab_size, n) for n in (12, 16, 9, 14, 11, 16, 10, 13)]
+  masks = [np.r_[np.zeros(4), np.ones(len(i) - 4)] for i in ids]
+  batch = sft_batch(ids, masks, pad_to=T, row_multiple=2)
+  step = train_step(CFG, make_objective("sft"), "adam_const", 2)
+  state = fresh_state(CFG, init_params(CFG, jax.random.key(11)), "adam_const")
+  losses = []
+  for i in range(20):
+    state, m = step(state, batch, jax.random.key(i))
+    losses.append(float(m["loss"]))
+  assert losses[0] > 0.9 * np.log(CFG.vocab_size) and losses[-1] < 0.3 * losses[0]
+  assert float(m["num_loss_tokens"]) == sum(len(i) - 4 for i in ids)
+
+
+def dpo_pairs_batch(params, k: int) -> TokenBatch:
+  rng = np.random.RandomState(12)
+
+  def traj(turns):  # a trajectory of 1-2 turn rows, each ending in its action
+    return [(rng.randint(1, CFG.vocab_size, 10), np.r_[np.zeros(6), np.ones(4)]) for _ in range(turns)]
+
+  pairs = [(traj(2), traj(1)), (traj(1), traj(1)), (traj(1), traj(2))]
+  batch = dpo_batch(pairs, micro_batches=k, pad_to=T, row_multiple=B)
+  assert batch.tokens.shape[1] == T and batch.tokens.shape[0] % B == 0
+  ref_logp, _ = LogpScorer(CFG, batch_size=B, pad_to=T)(params, batch.tokens, batch.positions, batch.valid)
+  return batch.replace(ref_logp=ref_logp)
+
+
+DPO = make_objective("dpo", beta=0.5, sft_coef=0.1)
+
+
+def test_dpo_margin_increases(params):
+  batch = dpo_pairs_batch(params, 2)
+  step = train_step(CFG, DPO, "sgd", 2)
+  margins, state = [], fresh_state(CFG, params, "sgd")
+  for i in range(4):
+    state, m = step(state, batch, jax.random.key(i))
+    margins.append(float(m["margin"]))
+    if i == 0:  # the policy is the reference at the first step
+      np.testing.assert_allclose(m["dpo_loss"], np.log(2), rtol=1e-6)
+  assert margins[0] == pytest.approx(0, abs=1e-6) and np.all(np.diff(margins) > 0)
+  assert float(m["reward_accuracy"]) == 1.0 and float(m["nll"]) > 0
+
+
+@pytest.mark.slow
+def test_dpo_accumulation_keeps_pairs_whole(params):
+  """A pair's rows split over micro-batches would change the loss; dpo_batch keeps them together."""
+  results = []
+  for k in (1, 2):
+    state, m = train_step(CFG, DPO, "sgd", k)(fresh_state(CFG, params, "sgd"), dpo_pairs_batch(params, k),
+                                               jax.random.key(0))
+    results.append((grads_of(state), m))
+  assert max_rel_diff(results[1][0], results[0][0]) < 2e-5
+  for key in ("loss", "nll", "margin", "reward_accuracy"):
+    np.testing.assert_allclose(results[1][1][key], results[0][1][key], rtol=1e-5, atol=1e-7)
+
+
+def test_objective_registry_and_config_errors():
+  assert make_objective("grpo").config.kl_coef > 0 and make_objective("ppo").config.vf_coef > 0
+  with pytest.raises(ValueError, match="unknown objective 'reinforce'"):
+    make_objective("reinforce")
+  with pytest.raises(ValueError, match="agg must be one of"):
+    PolicyGradientConfig(agg="sum")
+  with pytest.raises(ValueError, match="needs total_steps"):
+    OptimConfig(schedule="cosine", total_steps=0)
