@@ -12,17 +12,22 @@ from typing import Any
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> Any:
+  """`configs/x.py` calls its `config()`; `configs/x.py:tiny` calls its `tiny()` (a config's small CPU variant)."""
+  path, _, variant = str(path).partition(":")
   path = Path(path)
   if not path.is_file():
     raise FileNotFoundError(f"config file {path} does not exist")
   spec = importlib.util.spec_from_file_location(f"dreamjax_config_{path.stem}", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  if not hasattr(module, "config"):
-    raise ValueError(f"{path}: defines no config() function")
-  cfg = module.config()
+  name = variant or "config"
+  if not callable(getattr(module, name, None)):
+    known = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_") and
+                   getattr(v, "__module__", None) == module.__name__ and not isinstance(v, type))
+    raise ValueError(f"{path}: defines no {name}() function (variants here: {', '.join(known) or 'none'})")
+  cfg = getattr(module, name)()
   for item in overrides:
-    cfg = apply_override(cfg, item, source=str(path))
+    cfg = apply_override(cfg, item, source=f"{path}:{name}" if variant else str(path))
   return cfg
 
 

@@ -38,3 +38,14 @@ def test_load_config_file_and_errors(tmp_path):
   (tmp_path / "empty.py").write_text("x = 1\n")
   with pytest.raises(ValueError, match="defines no config"):
     load_config(tmp_path / "empty.py")
+
+
+def test_variant_functions(tmp_path):
+  f = tmp_path / "c.py"
+  f.write_text("import dataclasses\n\n@dataclasses.dataclass(frozen=True)\nclass C:\n  n: int = 1\n\n"
+               "def config():\n  return C()\n\ndef tiny():\n  return C(n=2)\n")
+  assert load_config(str(f)).n == 1
+  assert load_config(f"{f}:tiny", ["n=5"]).n == 5
+  assert load_config(f"{f}:tiny").n == 2
+  with pytest.raises(ValueError, match=r"defines no huge\(\) function \(variants here: config, tiny\)"):
+    load_config(f"{f}:huge")
