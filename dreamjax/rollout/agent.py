@@ -144,6 +144,22 @@ def build_turn_prompt(tokenizer: Tokenizer, fmt: AgentFormat, instruction: str, 
                                                 user_text(fmt, instruction, step, kept, state, admissible))
 
 
+def fit_turn_prompt(tokenizer: Tokenizer, fmt: AgentFormat, instruction: str, step: int,
+                    history: Sequence[tuple[str, str]], state: str, admissible: Sequence[str],
+                    max_prompt_len: int) -> tuple[SegmentBuilder | None, int]:
+  """(`build_turn_prompt`, pairs of `history` kept) with the oldest history dropped until `.prompt()` fits
+  `max_prompt_len`, as the rollout engine does; (None, 0) when even no history fits."""
+  history = list(history)
+  frame = len(tokenizer.chat_format.generation_prompt)
+  while True:
+    builder = build_turn_prompt(tokenizer, fmt, instruction, step, history, state, admissible)
+    if len(builder) + frame <= max_prompt_len:
+      return builder, len(history)
+    if not history:
+      return None, 0
+    history.pop(0)
+
+
 def parse_answer(text: str) -> ParsedAnswer:
   """The action of a policy answer; never raises. See the module docstring for the rules."""
   if not isinstance(text, str):

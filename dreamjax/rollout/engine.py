@@ -42,7 +42,7 @@ import numpy as np
 from dreamjax.data.records import StepRecord, TrajectoryRecord
 from dreamjax.envs.base import BatchEnv, Observation, StepResult, Task
 from dreamjax.models.config import ModelConfig
-from dreamjax.rollout.agent import INVALID_ANSWER, AgentFormat, build_turn_prompt, parse_answer
+from dreamjax.rollout.agent import INVALID_ANSWER, AgentFormat, build_turn_prompt, fit_turn_prompt, parse_answer
 from dreamjax.rollout.trajectory import Trajectories
 from dreamjax.sampling import Sampler, sampling_params
 from dreamjax.text import Kind, SegmentBuilder, Tokenizer
@@ -129,17 +129,13 @@ class RolloutEngine:
                   admissible: Sequence[str], where: str = "") -> SegmentBuilder:
     """`build_turn_prompt`, dropping the oldest history until `.prompt()` fits the largest bucket."""
     limit = self.cfg.prompt_buckets[-1]
-    history = list(history)
-    while True:
-      builder = build_turn_prompt(self.tokenizer, self.format, instruction, step, history, state, admissible)
-      length = len(builder) + len(self._frame)
-      if length <= limit:
-        return builder
-      if not history:
-        raise ValueError(f"{where or 'turn prompt'}: the prompt is {length} tokens without any history, beyond the "
-                         f"largest prompt bucket {limit}; raise RolloutConfig.prompt_buckets or lower "
-                         f"AgentFormat.max_admissible")
-      history.pop(0)
+    builder, _ = fit_turn_prompt(self.tokenizer, self.format, instruction, step, history, state, admissible, limit)
+    if builder is None:
+      length = len(build_turn_prompt(self.tokenizer, self.format, instruction, step, (), state, admissible))
+      raise ValueError(f"{where or 'turn prompt'}: the prompt is {length + len(self._frame)} tokens without any "
+                       f"history, beyond the largest prompt bucket {limit}; raise RolloutConfig.prompt_buckets or "
+                       f"lower AgentFormat.max_admissible")
+    return builder
 
   def run(self, params, env: BatchEnv, tasks: Sequence[Task], key: jax.Array, policy_version: int = 0) -> Trajectories:
     """Rollouts of every task `group_size` times: row r runs task r // G. `key` is a PRNG key (typed or raw)."""

@@ -1,0 +1,248 @@
+"""Policy SFT and DPO baselines: row layout equal to rollout rows, DPO pairing, and tiny end-to-end runs on real
+TextWorld-Express coin games (two rooms, no doors: look around, move to the other room if the coin is not in sight,
+take the coin; a 4-step limit, so random runs mostly fail and make DPO's rejected side)."""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dreamjax.data.collect import CollectConfig, collect
+from dreamjax.data.records import StepRecord, TrajectoryRecord, read_trajectories
+from dreamjax.envs.base import Task
+from dreamjax.models import tiny
+from dreamjax.rl.optim import OptimConfig
+from dreamjax.rollout.agent import AgentFormat, build_turn_prompt, format_answer, parse_answer
+from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
+from dreamjax.text import train_bpe_tokenizer
+from dreamjax.train.policy_data import (
+    PairConfig,
+    RowConfig,
+    policy_texts,
+    preference_episodes,
+    preference_pairs,
+    sft_rows,
+)
+from dreamjax.train.run import ModelSource, read_metrics
+
+COIN = "numLocations=2, includeDoors=0"
+FMT = AgentFormat(think=False, history_turns=3, history_token_budget=256)
+ROLLOUT = RolloutConfig(max_turns=4, max_action_tokens=16, max_episode_tokens=64, prompt_buckets=(768,))
+ROWS = 6  # envs stepped together (collection and evaluation)
+
+
+@pytest.fixture(scope="module")
+def twx():
+  pytest.importorskip("textworld_express")
+  from dreamjax.envs.base import SerialBatchEnv
+  from dreamjax.envs.textworld_express import TextWorldExpressEnv
+
+  env = SerialBatchEnv([TextWorldExpressEnv(step_limit=4) for _ in range(ROWS)])
+  yield env
+  env.close()
+
+
+@pytest.fixture(scope="module")
+def collected(twx, tmp_path_factory):
+  out = tmp_path_factory.mktemp("collect")
+  cfg = CollectConfig(env_kwargs=("step_limit=4",), games=("coin",), game_params=COIN,
+                      policies=("expert:12", "random:12", "eps0.5:6"), num_workers=0, rows_per_worker=ROWS,
+                      out_dir=str(out), build_tfds=False, progress=False)
+  collect(cfg, batch=twx)
+  path = out / "trajectories.jsonl"
+  return path, read_trajectories(path)
+
+
+@pytest.fixture(scope="module")
+def tok(collected, tmp_path_factory):
+  _, records = collected
+  return train_bpe_tokenizer(policy_texts(records, FMT) * 2, tmp_path_factory.mktemp("tok"), vocab_size=800)
+
+
+def _history(record, t):
+  return [(s.state, s.action) for s in record.steps[:t]]
+
+
+def test_rows_are_the_rollout_prompt_plus_the_answer(collected, tok):
+  _, records = collected
+  experts = [r for r in records if r.policy == "expert" and r.success]
+  assert len(experts) >= 10
+  rows, stats = sft_rows(records, tok, FMT, RowConfig(), ROLLOUT)
+  assert len(rows) == stats["rows"] == sum(r.num_steps for r in experts) and stats["history_trimmed"] == 0
+  assert stats["episodes_used"] == len(experts)
+  assert stats["episodes_other_policy"] == sum(r.policy != "expert" for r in records)
+  by_id = {r.episode_id: r for r in records}
+  end = tok.chat_format.end_of_turn
+  for row in rows:
+    record = by_id[row.episode_id]
+    step = record.steps[row.turn]
+    prompt = build_turn_prompt(tok, FMT, record.instruction, row.turn, _history(record, row.turn), step.state,
+                               step.admissible).prompt()
+    answer = np.asarray(tok.encode(format_answer(step.action)) + [end])
+    np.testing.assert_array_equal(row.ids, np.concatenate([prompt, answer]))
+    np.testing.assert_array_equal(row.loss_mask, np.r_[np.zeros(len(prompt)), np.ones(len(answer))])
+    assert row.prompt_len == len(prompt) and row.ids.dtype == np.int32 and row.loss_mask.dtype == np.int32
+    assert parse_answer(tok.decode(row.answer_ids[:-1])).action == step.action
+  # a think template: the answer parses back to the action, with the template as its think block
+  think_fmt = dataclasses.replace(FMT, think=True)
+  templated, _ = sft_rows(records, tok, think_fmt, RowConfig(think="auto"), dataclasses.replace(ROLLOUT, max_action_tokens=64))
+  parsed = parse_answer(tok.decode(templated[0].answer_ids[:-1]))
+  assert parsed.action == by_id[templated[0].episode_id].steps[templated[0].turn].action
+  assert parsed.action in parsed.think and len(templated) == len(rows)
+
+
+def test_history_is_dropped_exactly_as_the_rollout_engine_drops_it(collected, tok):
+  _, records = collected
+  experts = [r for r in records if r.policy == "expert" and r.success]
+  bare = [len(build_turn_prompt(tok, FMT, r.instruction, t, [], s.state, s.admissible).prompt())
+          for r in experts for t, s in enumerate(r.steps)]
+  bucket = max(bare)  # every turn fits without history; later turns with their history mostly do not
+  rollout = dataclasses.replace(ROLLOUT, prompt_buckets=(bucket,))
+  engine = RolloutEngine(tiny("qwen2", vocab_size=tok.vocab_size), tok, FMT, rollout)
+  rows, stats = sft_rows(records, tok, FMT, RowConfig(), rollout)
+  assert len(rows) == len(bare) and stats["history_trimmed"] >= 1
+  by_id = {r.episode_id: r for r in records}
+  for row in rows:
+    record = by_id[row.episode_id]
+    step = record.steps[row.turn]
+    expected = engine.turn_prompt(record.instruction, row.turn, _history(record, row.turn), step.state,
+                                  step.admissible).prompt()
+    np.testing.assert_array_equal(row.ids[:row.prompt_len], expected)
+  # turns that fit no bucket, and answers beyond the per-turn budget, are counted and left out
+  _, short = sft_rows(records, tok, FMT, RowConfig(), dataclasses.replace(ROLLOUT, prompt_buckets=(bucket - 1,)))
+  assert short["skipped_prompt_too_long"] == sum(b == bucket for b in bare) >= 1
+  _, tight = sft_rows(records, tok, FMT, RowConfig(), dataclasses.replace(ROLLOUT, max_action_tokens=3))
+  assert tight["rows"] == 0 and tight["skipped_answer_too_long"] == len(bare)
+
+
+def test_only_expert_steps_of_noisy_episodes_are_cloned(collected, tok):
+  _, records = collected
+  noisy = [r for r in records if r.policy == "eps0.5" and r.success]
+  assert noisy
+  rows, stats = sft_rows(records, tok, FMT, RowConfig(experts=("eps0.5",)), ROLLOUT)
+  cloned = {(r.episode_id, r.turn) for r in rows}
+  expected = {(r.episode_id, t) for r in noisy for t, s in enumerate(r.steps) if s.source == "expert"
+              and not s.invalid}
+  assert cloned == expected and stats["skipped_source"] == sum(s.source != "expert" for r in noisy for s in r.steps)
+  # a random step and a rejected expert step are not cloned, but later turns show them in their history
+  record = _rec("E", "eps0.5", 0, ["inventory", "look around", "open fridge", "take coin"], True,
+                sources=["random", "expert", "expert", "expert"], invalid=[False, False, True, False])
+  rows, stats = sft_rows([record], tok, FMT, RowConfig(experts=("eps0.5",)), ROLLOUT)
+  assert [r.turn for r in rows] == [1, 3] and stats["skipped_source"] == stats["skipped_invalid"] == 1
+  assert "| action: inventory" in tok.decode(rows[0].ids[:rows[0].prompt_len])
+  assert "| action: open fridge" in tok.decode(rows[1].ids[:rows[1].prompt_len])
+  assert not sft_rows([record], tok, FMT, RowConfig(), ROLLOUT)[0]  # not an expert episode by default
+
+
+def _rec(task: str, policy: str, i: int, actions: list[str], success: bool, sources=None,
+         invalid=None) -> TrajectoryRecord:
+  t = Task.make("textworld_express", task, "Find the coin.", game="coin", seed=0, split="train")
+  sources = sources or ["expert" if policy == "expert" else "random"] * len(actions)
+  invalid = invalid or [False] * len(actions)
+  last = len(actions) - 1
+  steps = tuple(StepRecord(f"Location: room {j}", a, f"Location: room {j + 1}", float(success and j == last),
+                           j == last, success and j == last, invalid[j], ("look around", a), sources[j])
+                for j, a in enumerate(actions))
+  return TrajectoryRecord(f"{policy}:{task}:{i}", "textworld_express", t, "Find the coin.", policy, i, steps, success,
+                          len(steps), None)
+
+
+def test_dpo_pairing_is_deterministic_capped_and_per_task(tok):
+  good = [_rec("A", "expert", i, ["look around"] * (3 - i) + ["take coin"], True) for i in range(2)]
+  bad = [_rec("A", "random", i, ["look around", f"move {d}"], False) for i, d in enumerate(["north", "south", "east"])]
+  others = [_rec("B", "expert", 0, ["take coin"], True), _rec("C", "random", 0, ["inventory"], False),
+            _rec("A", "random", 9, ["take coin"], True)]  # a random success is neither chosen nor rejected
+  records = good + bad + others
+  cfg = PairConfig(max_pairs_per_task=5)
+  pairs = preference_episodes(records, cfg)
+  assert [p[0].episode_id for p in pairs] == ["expert:A:1", "expert:A:0", "expert:A:1"]  # shortest first, cycled
+  assert sorted(p[1].episode_id for p in pairs) == sorted(r.episode_id for r in bad)  # each failure once
+  assert preference_episodes(records[::-1], cfg) == pairs  # independent of file order
+  assert len(preference_episodes(records, PairConfig(max_pairs_per_task=2))) == 2
+  assert preference_episodes(records, PairConfig(rejected_policies=("eps0.5",))) == []
+  # rows: the shared first turn ("look around" in room 0) cancels in the margin and is dropped
+  built, stats = preference_pairs(records, tok, FMT, cfg, ROLLOUT)
+  assert len(built) == 3 and stats["common_rows_dropped"] == 3
+  for p in built:
+    assert [r.turn for r in p.rejected] == [1] and p.chosen[0].turn == 1
+    assert not np.array_equal(p.chosen[0].ids, p.rejected[0].ids)
+  # identical single-turn episodes keep their one row on each side
+  same, _ = preference_pairs([_rec("D", "expert", 0, ["take coin"], True), _rec("D", "random", 0, ["take coin"], False)],
+                             tok, FMT, cfg, ROLLOUT)
+  assert len(same[0].chosen) == len(same[0].rejected) == 1
+  cut, cut_stats = preference_pairs(records, tok, FMT, PairConfig(max_turns=1, drop_common_prefix=False), ROLLOUT)
+  assert all(len(p.chosen) == len(p.rejected) == 1 for p in cut) and cut_stats["turns_cut"] > 0
+
+
+@pytest.fixture(scope="module")
+def sft_run(collected, twx, tmp_path_factory):
+  from dreamjax.train.policy_sft import EvalConfig, PolicySftConfig, run
+
+  path, _ = collected
+  cfg = PolicySftConfig(  # every row in each batch (one step per epoch), as in test_rollout's fine-tuned policy
+      data=(str(path),), env_kwargs=("step_limit=4",), agent=FMT, rollout=ROLLOUT,
+      model=ModelSource(tiny=tiny("qwen2", vocab_size=800, max_position_embeddings=1024)),
+      optim=OptimConfig(lr=5e-3, warmup_steps=3), batch_size=32, epochs=40,
+      eval=EvalConfig(games=("coin",), split="dev", num_tasks=ROWS, game_params=COIN, train_tasks=ROWS, num_envs=ROWS),
+      devices=1, log_every=10, out_dir=str(tmp_path_factory.mktemp("sft")), seed=0)
+  return cfg, run(cfg, env=twx)
+
+
+def test_sft_learns_to_act_in_the_real_env(sft_run):
+  cfg, summary = sft_run
+  out = Path(cfg.out_dir)
+  metrics = [m for m in read_metrics(out / "metrics.jsonl") if "loss" in m]
+  assert [m["step"] for m in metrics] == [1, 10, 20, 30, 40]
+  assert summary["final_loss"] < 0.1 * summary["first_loss"] and summary["first_loss"] > 1.0
+  assert summary["compilations"] == 1 and summary["steps"] == 40 and summary["epochs"] == 40
+  train = summary["eval"]["train"]
+  assert train["episodes"] == ROWS and train["successes"] >= ROWS // 2, train["outcomes"]
+  assert train["parse_failures"] == 0
+  saved = json.loads((out / "summary.json").read_text())
+  assert saved["eval"]["held_out"]["success_rate"] == summary["eval"]["held_out"]["success_rate"]
+  assert (out / "checkpoint" / "config.json").is_file() and (out / "checkpoint" / "tokenizer.json").is_file()
+
+
+def test_dpo_from_the_sft_checkpoint_raises_the_margin(sft_run, collected, twx, tmp_path):
+  from dreamjax.train.dpo import DpoConfig, run
+  from dreamjax.train.policy_sft import EvalConfig
+
+  sft_cfg, sft_summary = sft_run
+  path, records = collected
+  cfg = DpoConfig(data=(str(path),), checkpoint=sft_summary["checkpoint"], env_kwargs=("step_limit=4",), agent=FMT,
+                  rollout=ROLLOUT, pairs=PairConfig(rejected_policies=("random", "eps0.5"), max_pairs_per_task=2),
+                  beta=0.1, optim=OptimConfig(lr=1e-3), pairs_per_step=4, max_steps=8,
+                  eval=EvalConfig(num_tasks=0), devices=1, log_every=4, out_dir=str(tmp_path), seed=0)
+  summary = run(cfg, env=twx)
+  assert summary["pairs"]["pairs"] >= 4 and summary["compilations"] == 1
+  assert abs(summary["first_margin"]) < 1e-3  # the first step scores the reference itself
+  assert math.isclose(summary["first_loss"], math.log(2), abs_tol=1e-3)
+  assert summary["final_margin"] > 0.5 and summary["final_loss"] < 0.5 * math.log(2)
+  margins = [m["margin"] for m in read_metrics(tmp_path / "metrics.jsonl") if "margin" in m]
+  assert margins[-1] == max(margins)
+  assert (tmp_path / "checkpoint" / "config.json").is_file()
+
+
+def test_configs_load_and_bad_settings_are_clear_errors(tmp_path):
+  from dreamjax.train import dpo, policy_sft
+
+  for spec, kind in [("configs/train_policy_twx.py", policy_sft.PolicySftConfig),
+                     ("configs/train_policy_twx.py:tiny", policy_sft.PolicySftConfig),
+                     ("configs/dpo_twx.py", dpo.DpoConfig), ("configs/dpo_twx.py:tiny", dpo.DpoConfig)]:
+    assert isinstance(policy_sft.load_run_config(spec), kind)
+  cfg = policy_sft.load_run_config("configs/train_policy_twx.py:tiny", ["eval.num_tasks=3", "rows.think=none"])
+  assert cfg.eval.num_tasks == 3 and cfg.rows.think == "none"
+  with pytest.raises(ValueError, match="defines no small\\(\\) function"):
+    policy_sft.load_run_config("configs/train_policy_twx.py:small")
+  with pytest.raises(ValueError, match="PolicySftConfig.batch_size must be >= 1"):
+    dataclasses.replace(cfg, batch_size=0)
+  with pytest.raises(ValueError, match="RowConfig.think must be one of"):
+    RowConfig(think="long")
+  with pytest.raises(ValueError, match="data: .*missing.jsonl does not exist"):
+    policy_sft.run(dataclasses.replace(cfg, data=(str(tmp_path / "missing.jsonl"),), out_dir=str(tmp_path / "o")))
+  with pytest.raises(ValueError, match="checkpoint: .* is not an HF checkpoint folder"):
+    dpo.run(dpo.DpoConfig(checkpoint=str(tmp_path), out_dir=str(tmp_path / "d")))
+  assert policy_sft.main(["--config", "configs/train_policy_twx.py:tiny", "--set", "batch_size=0"]) == 2
