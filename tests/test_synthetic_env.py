@@ -1,0 +1,365 @@
+"""SyntheticEnv on real TextWorld-Express data (simonsays, two commands a game) with tiny Qwen2 experience models.
+
+A random model never writes the format, which exercises the failure outcomes, the protocol (None rows, finished
+rows), the prompts and retrieval. One tiny model fine-tuned for a few dozen steps both as M_exp (on
+`transition_example` of the recorded transitions, retrieved examples included) and as the policy (on the expert's
+answers) must then replay the recorded episodes exactly under greedy decoding, stepped directly and driven by the
+real RolloutEngine.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dreamjax.data.records import StepRecord, TrajectoryRecord, transitions
+from dreamjax.envs.base import Observation, Task
+from dreamjax.experience.format import (
+    FAILURE_STATE,
+    ExpFormatConfig,
+    build_prompt,
+    render_user,
+    system_prompt,
+    transition_example,
+    transition_target,
+)
+from dreamjax.experience.synthetic_env import SyntheticEnv, initial_states_from
+from dreamjax.models import Transformer, init_params, tiny
+from dreamjax.replay.encoder import BackbonePooledEncoder
+from dreamjax.replay.index import make_index
+from dreamjax.replay.retriever import Retriever
+from dreamjax.replay.transition import from_trajectories
+from dreamjax.rollout.agent import AgentFormat, build_turn_prompt, format_answer, user_text
+from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
+from dreamjax.text import Kind, train_bpe_tokenizer
+
+GAME, PARAMS = "simonsays", "gameLength=2"  # short states; each game's commands differ, so transitions are distinct
+EPISODES = 3
+FMT = ExpFormatConfig(k=1, max_history=2)
+AFMT = AgentFormat(think=False, history_turns=2, history_token_budget=300)
+BUCKETS = (512,)
+MAX_NEW = 96
+
+
+def _reason(t) -> str:
+  return f"Simon said {t.action}." + (" The game is won." if t.success else "")
+
+
+@pytest.fixture(scope="module")
+def records():
+  from dreamjax.envs.textworld_express import TextWorldExpressEnv, tasks
+
+  env = TextWorldExpressEnv(step_limit=5)
+  out = []
+  try:
+    for task in tasks(GAME, "train", EPISODES, params=PARAMS, env=env):
+      obs, steps = env.reset(task), []
+      while (action := env.expert_action()) is not None:
+        r = env.step(action)
+        steps.append(StepRecord(obs.state, action, r.observation.state, r.reward, r.done, r.success, r.invalid,
+                                obs.admissible, "expert"))
+        obs = r.observation
+        if r.done:
+          break
+      out.append(TrajectoryRecord(f"expert:{task.task_id}", env.name, task, obs.instruction, "expert", 0,
+                                  tuple(steps), steps[-1].success, len(steps), 1.0))
+  finally:
+    env.close()
+  assert all(r.success and r.num_steps == 2 for r in out)
+  return out
+
+
+@pytest.fixture(scope="module")
+def tok(records, tmp_path_factory):
+  texts = [system_prompt(FMT), AFMT.system_text(), FAILURE_STATE]
+  for t in transitions(records):
+    texts += [render_user(FMT, t.instruction, t.history, [t], t.state, t.action), transition_target(FMT, t, _reason(t)),
+              user_text(AFMT, t.instruction, t.step, t.history, t.state, ()), format_answer(t.action)]
+  return train_bpe_tokenizer(texts * 3, tmp_path_factory.mktemp("tok"), vocab_size=700)
+
+
+@pytest.fixture(scope="module")
+def cfg(tok):
+  return tiny("qwen2", vocab_size=tok.vocab_size, max_position_embeddings=1024, hidden_size=128, head_dim=32,
+              intermediate_size=256)
+
+
+@pytest.fixture(scope="module")
+def random_params(cfg):
+  return init_params(cfg, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def retriever(cfg, random_params, tok, records):
+  r = Retriever(BackbonePooledEncoder(cfg, random_params, tok), make_index("exact", cfg.hidden_size))
+  r.add(list(from_trajectories(records)))
+  return r
+
+
+def _env(cfg, params, tok, retriever, records, **kw) -> SyntheticEnv:
+  kw = dict(initial_states=initial_states_from(records), max_new_tokens=MAX_NEW, temperature=0.0,
+            prompt_buckets=BUCKETS, key=jax.random.key(0)) | kw
+  return SyntheticEnv(cfg, params, tok, FMT, retriever, **kw)
+
+
+def _own(records):
+  return {r.task.task_id: r.episode_id for r in records}
+
+
+# --- construction, reset, errors ----------------------------------------------------------------------------------
+
+
+def test_initial_states_and_task_lookup(cfg, random_params, tok, retriever, records):
+  empty = dataclasses.replace(records[1], episode_id="cut", steps=(), num_steps=0)
+  later = dataclasses.replace(records[0], episode_id="later", instruction="another run")
+  states = initial_states_from([empty, records[0], later] + records[1:])
+  assert list(states) == [r.task.task_id for r in records]
+  for r in records:
+    assert states[r.task.task_id] == Observation(r.steps[0].state, r.instruction, r.steps[0].admissible)
+  env = _env(cfg, random_params, tok, retriever, records)
+  seed = records[0].task
+  variant = Task.make(seed.env, f"{seed.task_id}/v0", "Do what Simon says twice.", **seed.param,
+                      generated_from=seed.task_id, generation=1)
+  obs = env.reset_batch([records[1].task, variant])
+  assert obs[0] == states[records[1].task.task_id]
+  assert obs[1] == dataclasses.replace(states[seed.task_id], instruction="Do what Simon says twice.")
+  with pytest.raises(ValueError, match=r"task 'nope' has no recorded initial state"):
+    env.reset_batch([Task.make(seed.env, "nope")])
+  with pytest.raises(ValueError, match=r"task 'x/v1' was generated from 'gone', which has no recorded"):
+    env.reset_batch([Task.make(seed.env, "x/v1", "new", generated_from="gone")])
+  with pytest.raises(ValueError, match="initial state alone makes a"):
+    _env(cfg, random_params, tok, retriever, records, prompt_buckets=(64,)).reset_batch([seed])
+  with pytest.raises(ValueError, match="max_position_embeddings"):
+    _env(cfg, random_params, tok, retriever, records, prompt_buckets=(1000,))
+  with pytest.raises(ValueError, match="admissible must be one of"):
+    _env(cfg, random_params, tok, retriever, records, admissible="all")
+  with pytest.raises(ValueError, match="call reset_batch first"):
+    _env(cfg, random_params, tok, retriever, records).step_batch(["x"])
+  env.reset_batch([seed])
+  with pytest.raises(ValueError, match="2 actions for 1 episodes"):
+    env.step_batch(["a", "b"])
+  # tutorials by task id; a generated variant gets none (its seed's plan may not solve it)
+  env = _env(cfg, random_params, tok, retriever, records, tutorials={seed.task_id: "Follow Simon."})
+  assert env.initial_observation(seed) == (states[seed.task_id], "Follow Simon.")
+  assert env.initial_observation(variant)[1] == "" and env.initial_observation(records[1].task)[1] == ""
+
+
+# --- a random model: every output is malformed -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def random_env(cfg, random_params, tok, retriever, records):
+  return _env(cfg, random_params, tok, retriever, records, max_new_tokens=12, temperature=1.0,
+              key=jax.random.key(3), admissible="keep")
+
+
+def test_malformed_outputs_are_counted_failures(random_env, tok, retriever, records):
+  env = random_env
+  env.reset_stats()
+  rows = [records[0], records[1], records[0]]  # rows 0 and 2 run one task: a batch may repeat a task
+  own = [r.episode_id for r in rows]
+  env.reset_batch([r.task for r in rows], exclude_episodes=own)
+  actions = [rows[0].steps[0].action, None, "dance"]
+  results = env.step_batch(actions)
+  assert results[1] is None
+  for i in (0, 2):
+    r = results[i]
+    assert r.done and r.reward == 0.0 and not r.success and not r.invalid
+    assert r.observation == Observation(FAILURE_STATE, rows[i].instruction, rows[i].steps[0].admissible)
+    assert r.info["error"] and not r.info["truncated"] and r.info["step"] == 1
+    assert 1 <= r.info["generated_tokens"] <= 12
+    # the prompt is build_prompt's, with the row's retrieved transition (never its own episode)
+    found = retriever.query([rows[i].steps[0].state], [actions[i]], FMT.k, exclude_episodes=[own[i]])[0]
+    assert r.info["retrieved"] == tuple(f"{x.episode_id}:{x.step}" for x in found) and len(found) == 1
+    assert found[0].episode_id != own[i]
+    expected = build_prompt(tok, FMT, rows[i].instruction, [], found, rows[i].steps[0].state, actions[i],
+                            step=0).prompt()
+    np.testing.assert_array_equal(env.last_prompts[i], expected)
+    assert r.info["prompt_tokens"] == len(expected)
+    assert f"Next state:\n{found[0].next_state}" in tok.decode(expected)
+  assert env.last_prompts[1] is None
+  # finished rows must get None; a None row keeps its last result
+  with pytest.raises(ValueError, match="row 0 is done"):
+    env.step_batch(["look", "x", None])
+  again = env.step_batch([None, "eat banana", None])
+  assert again[0] is results[0] and again[2] is results[2] and again[1].done
+  assert env.step_batch([None, None, None]) == again
+  s = env.stats
+  assert (s["steps"], s["parse_failures"], s["calls"], s["overflows"], s["truncations"]) == (3, 3, 2, 0, 0)
+  assert s["generated_tokens"] == sum(r.info["generated_tokens"] for r in again)
+  assert s["mean_generated_tokens"] == s["generated_tokens"] / 3
+  assert s["retrieval_s"] > 0 and s["prompt_s"] > 0 and s["sample_s"] > 0 and s["compilations"] == 1
+
+
+def test_reproducible_from_the_key_and_rows_independent(random_env, cfg, random_params, tok, retriever, records):
+  rows = [records[0], records[1], records[0]]
+  tasks = [r.task for r in rows]
+  actions = [r.steps[0].action for r in rows]
+
+  def outputs(env, batch, **kw):
+    env.reset_batch(batch, **kw)
+    return [r.info["output"] for r in env.step_batch(actions[:len(batch)])]
+
+  envs = [_env(cfg, random_params, tok, retriever, records, max_new_tokens=12, temperature=1.0,
+               key=jax.random.key(5)) for _ in range(2)]
+  for env in envs:
+    env.sampler = random_env.sampler  # the same jitted function: saves a compilation, changes nothing else
+  runs = [[outputs(env, tasks) for _ in range(2)] for env in envs]
+  assert runs[0] == runs[1]  # two envs from one key: the same batches
+  assert runs[0][0] != runs[0][1]  # the next batch folds in its index: other draws
+  assert len(set(runs[0][0])) == 3  # rows draw from their own keys (rows 0 and 2 have the same prompt)
+  key = jax.random.key(11)
+  pinned = outputs(random_env, tasks, key=key)
+  assert outputs(random_env, tasks, key=key) == pinned
+  swapped = outputs(random_env, [tasks[0], tasks[2], tasks[1]], key=key)
+  assert swapped[0] == pinned[0]  # a row's draws do not depend on its neighbours
+
+
+def test_prompt_overflow_is_a_failure_outcome(random_env, tok, records):
+  env = random_env
+  r = records[0]
+  shortest = len(build_prompt(tok, FMT, r.instruction, [], [], r.steps[0].state, "", step=0).prompt())
+  env.prompt_buckets = (shortest + 10,)  # reset's check passes; a long action cannot fit even without the example
+  try:
+    env.reset_stats()
+    env.reset_batch([r.task, r.task, r.task])
+    results = env.step_batch(["jump " * 200, None, "jump " * 100])
+  finally:
+    env.prompt_buckets = BUCKETS
+  for i in (0, 2):
+    assert results[i].done and results[i].reward == 0 and results[i].observation.state == FAILURE_STATE
+    assert "does not fit the largest prompt bucket" in results[i].info["error"]
+    assert results[i].info["generated_tokens"] == 0 and env.last_prompts[i] is None
+  assert env.stats["overflows"] == 2 and env.stats["parse_failures"] == 0 and env.stats["steps"] == 2
+
+
+# --- a fine-tuned model replays the records ----------------------------------------------------------------------
+
+
+def _sft(cfg, tok, retriever, records, steps: int, lr: float):
+  """Masked cross-entropy on M_exp examples (retrieved transitions excluding their own episode, as the env shows them)
+  and on the policy's expert answers (no admissible actions after the first turn: the env's default)."""
+  exp, policy = [], []
+  for t in transitions(records):
+    found = retriever.query([t.state], [t.action], FMT.k, exclude_episodes=[t.episode_id])[0]
+    ex = transition_example(tok, FMT, t, found, reasoning=_reason(t))
+    exp.append((ex.ids, ex.loss_mask))
+    record = next(r for r in records if r.episode_id == t.episode_id)
+    shown = record.steps[0].admissible if t.step == 0 else ()
+    ids, kinds = build_turn_prompt(tok, AFMT, t.instruction, t.step, t.history, t.state, shown).append(
+        Kind.ACTION, format_answer(t.action)).arrays()
+    policy.append((ids, (kinds == Kind.ACTION).astype(np.int32)))
+
+  def pack(rows):
+    t = max(len(ids) for ids, _ in rows)
+    ids = np.full((len(rows), t), tok.pad_id, np.int32)
+    mask, valid = np.zeros((len(rows), t), np.float32), np.zeros((len(rows), t), bool)
+    for i, (row, m) in enumerate(rows):
+      ids[i, :len(row)], mask[i, :len(row)], valid[i, :len(row)] = row, m, True
+    return ids, mask, valid
+
+  batches = [pack(exp), pack(policy)]  # two widths: the short policy rows are not padded to M_exp's length
+  # the decay to lr / 20 settles the last few wrong tokens (a constant rate leaves some oscillating)
+  opt = optax.adam(optax.warmup_cosine_decay_schedule(0.0, lr, 10, steps, lr / 20))
+
+  def loss_fn(params):
+    total = count = 0.0
+    for ids, mask, valid in batches:
+      positions = np.broadcast_to(np.arange(ids.shape[1] - 1), (ids.shape[0], ids.shape[1] - 1))
+      logits = Transformer(cfg).apply({"params": params}, ids[:, :-1], positions, valid[:, :-1]).logits
+      nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), ids[:, 1:, None], -1)[..., 0]
+      total, count = total + jnp.sum(nll * mask[:, 1:]), count + mask[:, 1:].sum()
+    return total / count
+
+  @jax.jit
+  def step(params, state):
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  params = init_params(cfg, jax.random.key(1))
+  state = opt.init(params)
+  for _ in range(steps):
+    params, state, loss = step(params, state)
+  return params, float(loss)
+
+
+@pytest.fixture(scope="module")
+def trained(cfg, tok, retriever, records):
+  params, loss = _sft(cfg, tok, retriever, records, steps=120, lr=1e-2)
+  assert loss < 0.05
+  return params
+
+
+@pytest.fixture(scope="module")
+def trained_env(cfg, trained, tok, retriever, records):
+  return _env(cfg, trained, tok, retriever, records, exclude_episodes=_own(records))
+
+
+def test_fine_tuned_model_replays_recorded_transitions(trained_env, tok, retriever, records):
+  env = trained_env
+  env.reset_stats()
+  env.reset_batch([r.task for r in records])  # exclusion from the constructor's mapping
+  for j in range(2):
+    results = env.step_batch([r.steps[j].action for r in records])
+    for i, (r, res) in enumerate(zip(records, results)):
+      s = r.steps[j]
+      t = next(t for t in transitions([r]) if t.step == j)
+      assert res.info["error"] == "" and res.info["stopped"], res.info["output"]
+      assert (res.observation.state, res.reward, res.done, res.success, res.invalid) == (
+          s.next_state, s.reward, s.done, s.success, s.invalid)
+      assert res.observation.admissible == () and res.info["reasoning"] == _reason(t)
+      # the prompt is exactly the SFT example's prompt: same history, step index and retrieved transition
+      found = retriever.query([s.state], [s.action], FMT.k, exclude_episodes=[r.episode_id])[0]
+      ex = transition_example(tok, FMT, t, found, reasoning=_reason(t))
+      np.testing.assert_array_equal(env.last_prompts[i], ex.ids[:len(env.last_prompts[i])])
+      assert all(not x.startswith(r.episode_id + ":") for x in res.info["retrieved"])
+  assert env.stats["parse_failures"] == 0 and env.stats["steps"] == 2 * len(records)
+
+
+def test_rollout_engine_drives_the_synthetic_env(trained_env, cfg, trained, tok, records):
+  engine = RolloutEngine(cfg, tok, AFMT, RolloutConfig(max_turns=3, max_action_tokens=12, max_episode_tokens=64,
+                                                       prompt_buckets=(256,), temperature=0.0))
+  traj = engine.run(trained, trained_env, [r.task for r in records], jax.random.key(0))
+  assert engine.stats["parse_failures"] == 0
+  np.testing.assert_array_equal(traj.num_turns, [2] * len(records))
+  assert traj.success.all() and traj.ended.all()
+  for e, r in enumerate(records):
+    got = traj.records[e]
+    assert [(s.state, s.action, s.next_state, s.reward, s.done, s.success) for s in got.steps] == [
+        (s.state, s.action, s.next_state, s.reward, s.done, s.success) for s in r.steps]
+    np.testing.assert_array_equal(traj.reward[traj.turn_rows[e, :2]], [0.0, 1.0])
+
+
+def test_step_limit_and_history_dropped_to_fit(trained_env, tok, retriever, records):
+  env = trained_env
+  env.max_steps = 1
+  try:
+    env.reset_stats()
+    env.reset_batch([r.task for r in records])
+    for r, res in zip(records, env.step_batch([r.steps[0].action for r in records])):
+      assert res.observation.state == r.steps[0].next_state  # the model's prediction, cut by the step limit
+      assert res.done and not res.success and res.reward == 0 and res.info["truncated"]
+    assert env.stats["truncations"] == len(records)
+  finally:
+    env.max_steps = 50
+  # a bucket that holds the second step's prompt only without its history: the history goes first
+  r = records[0]
+  s0, s1 = r.steps
+  found = retriever.query([s1.state], [s1.action], FMT.k, exclude_episodes=[r.episode_id])[0]
+  full = build_prompt(tok, FMT, r.instruction, [(s0.state, s0.action)], found, s1.state, s1.action, step=1).prompt()
+  bare = build_prompt(tok, FMT, r.instruction, [], found, s1.state, s1.action, step=1).prompt()
+  first = env.last_prompts[0]  # step 0 of this record, from the step-limit run above
+  width = max(len(first), len(bare))
+  assert width < len(full)
+  env.prompt_buckets = (width,)
+  try:
+    env.reset_batch([r.task])
+    assert env.step_batch([s0.action])[0].observation.state == s1.state
+    env.step_batch([s1.action])
+    np.testing.assert_array_equal(env.last_prompts[0], bare)
+  finally:
+    env.prompt_buckets = BUCKETS
