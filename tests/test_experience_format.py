@@ -60,22 +60,27 @@ def _transition(i: int, reward: float = 0.0, done: bool = False, success: bool =
 
 def test_target_text_is_exact():
   assert render_target(ON, "The fridge opens.", NEXT, 0.0, False, False) == (
-      f"<think>\nThe fridge opens.\n</think>\n<next_state>\n{NEXT}\n</next_state>\n<reward>0</reward>\n"
-      "<done>false</done>\n<success>false</success>")
+      f"<think>\nThe fridge opens.\n</think>\n<next_state>\n{NEXT}\n</next_state>\n<invalid>false</invalid>\n"
+      "<reward>0</reward>\n<done>false</done>\n<success>false</success>")
   assert render_target(OFF, "ignored", "s", 1.0, True, True) == (
-      "<next_state>\ns\n</next_state>\n<reward>1</reward>\n<done>true</done>\n<success>true</success>")
+      "<next_state>\ns\n</next_state>\n<invalid>false</invalid>\n<reward>1</reward>\n<done>true</done>\n"
+      "<success>true</success>")
+  assert "</next_state>\n<invalid>true</invalid>\n<reward>0</reward>" in render_target(ON, "", "s", 0.0, True, False,
+                                                                                       invalid=True)
 
 
 @pytest.mark.parametrize("cfg", [ON, OFF], ids=["reasoning", "no_reasoning"])
-@pytest.mark.parametrize("outcome", [(0.0, False, False), (0.0, True, False), (1.0, True, True)])
+@pytest.mark.parametrize("outcome", [(0.0, False, False, False), (0.0, True, False, False), (1.0, True, True, False),
+                                     (0.0, False, False, True), (0.0, True, False, True)])
 @pytest.mark.parametrize("reasoning, state", [
     ("why", NEXT), ("", "x"), ("  two\nlines  \n", "\nleading and trailing newline\n"), ("é ✓ 🍎 \t", "Ünïcødé: ✓")])
 def test_round_trip(cfg, outcome, reasoning, state):
-  reward, done, success = outcome
-  p = parse_output(render_target(cfg, reasoning, state, reward, done, success), cfg)
-  assert p == ExpPrediction(state, reward, done, success, reasoning if cfg.reasoning else "", True, "")
+  reward, done, success, invalid = outcome
+  target = render_target(cfg, reasoning, state, reward, done, success, invalid=invalid)
+  p = parse_output(target, cfg)
+  assert p == ExpPrediction(state, reward, done, success, reasoning if cfg.reasoning else "", True, "", invalid)
   # Whitespace around the whole output (a decoded stop token's neighbourhood) does not matter.
-  assert parse_output("\n  " + render_target(cfg, reasoning, state, reward, done, success) + " \n", cfg) == p
+  assert parse_output("\n  " + target + " \n", cfg) == p
 
 
 @pytest.mark.parametrize("args, message", [
@@ -83,6 +88,7 @@ def test_round_trip(cfg, outcome, reasoning, state):
     (("r", "s", 1.0, True, False), "reward is 1 but success is false"),
     (("r", "s", 0.0, True, True), "success is true but the reward is 0"),
     (("r", "s", 0.5, True, False), "not 0 or 1"),
+    (("r", "s", 1.0, True, True, True), "invalid is true but success is true"),
     (("a </think> b", "s", 0.0, False, False), "reasoning contains the format tag '</think>'"),
     (("r", "s <reward>1</reward>", 0.0, False, False), "next_state contains the format tag '<reward>'"),
     (("r", " \n", 0.0, False, False), "next_state is empty"),
@@ -93,7 +99,8 @@ def test_render_target_refuses_bad_targets(args, message):
 
 
 def _good(**parts) -> str:
-  blocks = {"think": "\nwhy\n", "next_state": "\nstate\n", "reward": "0", "done": "false", "success": "false"} | parts
+  blocks = {"think": "\nwhy\n", "next_state": "\nstate\n", "invalid": "false", "reward": "0", "done": "false",
+            "success": "false"} | parts
   return "\n".join(f"<{t}>{blocks[t]}</{t}>" for t in TAGS if blocks[t] is not None)
 
 
@@ -103,6 +110,10 @@ def _good(**parts) -> str:
     (_good(think=None), "missing <think>"),
     (_good(next_state=None), "missing <next_state>"),
     (_good(success=None), "missing <success>"),
+    (_good(invalid=None), "missing <invalid>"),
+    (_good(invalid="no"), "<invalid> is 'no', expected true or false"),
+    (_good(invalid="true", reward="1", done="true", success="true"),
+     "inconsistent outcome: invalid is true but success is true"),
     (_good()[:-3], "missing </success> (output cut off?)"),
     ("Sure! " + _good(), "unexpected text before <think>: 'Sure!'"),
     (_good() + " and more", "unexpected text after </success>: 'and more'"),
@@ -125,11 +136,13 @@ def _good(**parts) -> str:
 ])
 def test_malformed_outputs_are_failure_outcomes(text, error):
   p = parse_output(text, ON)
-  assert (p.ok, p.error, p.next_state, p.reward, p.done, p.success) == (False, error, FAILURE_STATE, 0.0, True, False)
+  assert (p.ok, p.error, p.next_state, p.reward, p.done, p.success, p.invalid) == (
+      False, error, FAILURE_STATE, 0.0, True, False, False)
 
 
 def test_parser_edge_cases():
   assert parse_output(_good(reward=" 1.0 ", done="TRUE", success="True"), ON).ok  # lenient on value spelling only
+  assert parse_output(_good(invalid=" True "), ON).invalid
   assert parse_output(_good(think=None), OFF).ok
   assert parse_output(_good(), OFF).error == "unexpected <think> block: reasoning is off in this format"
   assert parse_output(None, ON).error == "output is a NoneType, not text"  # type: ignore[arg-type]
@@ -140,7 +153,7 @@ def test_parser_edge_cases():
 def test_parser_is_total_under_fuzzing():
   rng = random.Random(0)
   valid = [render_target(cfg, r, s, *o) for cfg in (ON, OFF) for r, s in [("why", NEXT), ("", "é")]
-           for o in [(0.0, False, False), (1.0, True, True)]]
+           for o in [(0.0, False, False, False), (1.0, True, True, False), (0.0, True, False, True)]]
   # Every strict prefix of a valid output is a failure (the last tag is cut), and never raises.
   for cfg in (ON, OFF):
     for text in [v for v in valid if v.startswith("<think>") == cfg.reasoning]:
@@ -148,7 +161,7 @@ def test_parser_is_total_under_fuzzing():
       for n in range(len(text)):
         p = parse_output(text[:n], cfg)
         assert not p.ok and p.error and p.next_state == FAILURE_STATE, (n, text[:n])
-  pieces = ["<think>", "</think>", "<next_state>", "</next_state>", "<reward>", "</reward>", "<done>", "</done>",
+  pieces = ["<think>", "</think>", "<next_state>", "</next_state>", "<invalid>", "</invalid>", "<reward>", "</reward>", "<done>", "</done>",
             "<success>", "</success>", "0", "1", "true", "false", "\n", " ", "é", "🍎", "\x00", "<", ">", "/", "\u202e",
             "nan", "1e0", "-0", "𝟙", "\ud800"]
   for _ in range(3000):
@@ -175,8 +188,10 @@ def test_parser_is_total_under_fuzzing():
       if p.ok:  # whatever parses is a consistent outcome and a real state
         assert p.error == "" and p.next_state.strip() and p.next_state != FAILURE_STATE
         assert (p.reward, p.done, p.success) in [(0.0, False, False), (0.0, True, False), (1.0, True, True)]
+        assert not (p.invalid and p.success)
       else:
-        assert p.error and (p.reward, p.done, p.success, p.next_state) == (0.0, True, False, FAILURE_STATE)
+        assert p.error and (p.reward, p.done, p.success, p.invalid, p.next_state) == (0.0, True, False, False,
+                                                                                      FAILURE_STATE)
 
 
 # --- prompt ----------------------------------------------------------------------------------------------------------
@@ -191,7 +206,7 @@ def test_user_message_is_exact():
       "# Task\nFind the coin.\n\n"
       "# Tutorial\nPlan: look.\n\n"
       "# Similar past transitions\n## Example 1\nState:\nLocation: room 7\nAction: move 7\nNext state:\n"
-      "Location: room 8\nReward: 1, done: true, success: true\n\n"
+      "Location: room 8\nInvalid: false, reward: 1, done: true, success: true\n\n"
       "# History, oldest first (1 earlier steps not shown)\n## Step 2\nState:\ns1\nAction: a1\n\n"
       "## Step 3\nState:\ns2\nAction: a2\n\n"
       "# Current state (step 4)\ns3\n\n# Action\ntake coin")
@@ -263,6 +278,9 @@ def test_transition_example_from_records(tok):
   target = transition_target(ON, last, "Taking the coin completes the task.")
   assert parse_output(target, ON) == ExpPrediction("Location: b\nInventory: coin", 1.0, True, True,
                                                    "Taking the coin completes the task.", True, "")
+  # The env's invalid flag reaches the target (SyntheticEnv reports what M_exp predicts).
+  bad = dataclasses.replace(last, reward=0.0, done=False, success=False, invalid=True)
+  assert parse_output(transition_target(ON, bad), ON).invalid
   ex = transition_example(tok, dataclasses.replace(ON, reasoning=False), last)
   text = tok.decode(ex.ids)
   assert "## Step 1\nState:\nLocation: a\nAction: move east" in text and "# Current state (step 2)" in text

@@ -9,9 +9,14 @@ action] and writes (PAPER.md "Experience model") a reasoning trace first, then t
   <next_state>
   the whole next abstract state, in the env's own format
   </next_state>
+  <invalid>false</invalid>
   <reward>0</reward>
   <done>false</done>
   <success>false</success>
+
+The invalid flag says whether the env would reject the action (not understood, not admissible). Real envs report it
+(`StepResult.invalid`) and the RL loop penalises it (verl-agent's invalid-action penalty), so M_exp must predict it
+for SyntheticEnv to report it: inferring it from the feedback text would tie the loop to each env's wording.
 
 Without reasoning (the ablation switch `ExpFormatConfig.reasoning=False`) the think block is absent. The target is
 appended to the prompt as the assistant turn with `Kind.ACTION`, so the SFT loss mask covers exactly the target
@@ -19,12 +24,15 @@ tokens and its end-of-turn token: both terms of Eq. 5 (reasoning, then next stat
 
 Parsing is total: `parse_output` never raises. Anything it cannot read exactly (a missing, duplicated, nested or
 unterminated tag, text outside the blocks, a reward other than 0/1, a flag other than true/false, an empty state)
-becomes the failure outcome `ExpPrediction(ok=False, done=True, success=False, reward=0.0,
-next_state=FAILURE_STATE, error=...)`: the rollout sees the episode fail and metrics count the error.
+becomes the failure outcome `ExpPrediction(ok=False, done=True, success=False, reward=0.0, invalid=False,
+next_state=FAILURE_STATE, error=...)`: the rollout sees the episode fail and metrics count the error. The failure
+outcome's `invalid` is False: a malformed prediction is the simulator's failure, not evidence that the agent's action
+was invalid, so the agent is not charged the invalid-action penalty for it (it still gets the failed episode).
 
 Rewards are binary and outcome-based (1 only on the step that ends a successful episode), so the outcome is a function
 of (done, success) and the three stated values must agree: reward 1 with done and success, reward 0 otherwise, and
-success only with done. A prediction that disagrees with itself (reward 1 but done false, success without reward,
+success only with done; an invalid action changes nothing, so it cannot complete the task (invalid excludes
+success). A prediction that disagrees with itself (reward 1 but done false, success without reward,
 ...) is treated as malformed, never repaired: a model confused about the outcome must not be able to grant itself a
 reward it did not consistently claim. `render_target` refuses such combinations for the same reason.
 
@@ -46,7 +54,7 @@ from jaxtyping import Int
 
 from dreamjax.text import Kind, SegmentBuilder, Tokenizer, policy_mask
 
-TAGS = ("think", "next_state", "reward", "done", "success")
+TAGS = ("think", "next_state", "invalid", "reward", "done", "success")
 FAILURE_STATE = "The simulation failed: the experience model's prediction could not be read. The episode is over."
 _MARKERS = tuple(m for tag in TAGS for m in (f"<{tag}>", f"</{tag}>"))
 
@@ -81,6 +89,7 @@ class TransitionLike(Protocol):
   reward: float
   done: bool
   success: bool
+  invalid: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +101,11 @@ class ExpPrediction:
   reasoning: str  # "" when absent or unreadable
   ok: bool  # False: the output was malformed and the fields hold the failure outcome
   error: str  # what was wrong ("" when ok)
+  invalid: bool = False  # the predicted env's verdict on the action; False in the failure outcome (module docstring)
 
   @classmethod
   def failure(cls, error: str, reasoning: str = "") -> ExpPrediction:
-    return cls(FAILURE_STATE, 0.0, True, False, reasoning, False, error)
+    return cls(FAILURE_STATE, 0.0, True, False, reasoning, False, error, False)
 
 
 class SFTExample(NamedTuple):
@@ -115,9 +125,10 @@ def system_prompt(cfg: ExpFormatConfig) -> str:
       "You simulate an interactive environment for an agent. You are given the agent's task, examples of similar "
       "past transitions, the recent history of the episode, the current state and the agent's action. "
       f"{first} the environment's response: the next state, written in exactly the same format as the states you "
-      "are shown, and the outcome.\n"
+      "are shown, whether the environment rejects the action as invalid, and the outcome.\n"
       "Answer in exactly this format:\n"
-      f"{think}<next_state>\nthe whole next state\n</next_state>\n<reward>0 or 1</reward>\n"
+      f"{think}<next_state>\nthe whole next state\n</next_state>\n<invalid>true or false</invalid>\n"
+      "<reward>0 or 1</reward>\n"
       "<done>true or false</done>\n<success>true or false</success>\n"
       "The reward is 1 only when the action completes the task, and then done and success are true. An invalid or "
       "useless action changes nothing but the feedback. When the episode ends without completing the task, done is "
@@ -144,7 +155,8 @@ def render_example(cfg: ExpFormatConfig, t: TransitionLike) -> str:
   """One retrieved transition, compactly: (state, action -> next state, reward, done, success)."""
   return (f"State:\n{clip(t.state, cfg.max_state_chars)}\nAction: {clip(t.action, cfg.max_action_chars)}\n"
           f"Next state:\n{clip(t.next_state, cfg.max_state_chars)}\n"
-          f"Reward: {float(t.reward):g}, done: {_flag(t.done)}, success: {_flag(t.success)}")
+          f"Invalid: {_flag(t.invalid)}, reward: {float(t.reward):g}, done: {_flag(t.done)}, "
+          f"success: {_flag(t.success)}")
 
 
 def render_user(cfg: ExpFormatConfig, instruction: str, history: Sequence[tuple[str, str]],
@@ -186,8 +198,8 @@ def build_prompt(tokenizer: Tokenizer, cfg: ExpFormatConfig, instruction: str, h
 # --- the target ------------------------------------------------------------------------------------------------------
 
 
-def check_outcome(reward: float, done: bool, success: bool) -> str:
-  """"" when (reward, done, success) is a consistent binary outcome, else what is wrong with it."""
+def check_outcome(reward: float, done: bool, success: bool, invalid: bool = False) -> str:
+  """"" when (reward, done, success, invalid) is a consistent binary outcome, else what is wrong with it."""
   if reward not in (0.0, 1.0):
     return f"reward {reward!r} is not 0 or 1"
   if success and not done:
@@ -196,17 +208,19 @@ def check_outcome(reward: float, done: bool, success: bool) -> str:
     return "reward is 1 but success is false"
   if success and reward != 1.0:
     return "success is true but the reward is 0"
+  if invalid and success:
+    return "invalid is true but success is true"
   return ""
 
 
 def render_target(cfg: ExpFormatConfig, reasoning: str, next_state: str, reward: float, done: bool,
-                  success: bool) -> str:
+                  success: bool, invalid: bool = False) -> str:
   """The text M_exp is trained to write; `parse_output` reads it back exactly (tested).
 
   Raises ValueError for an outcome that is not a consistent binary one, or for text that holds a format tag (it
   would make the target unparseable).
   """
-  problem = check_outcome(float(reward), bool(done), bool(success))
+  problem = check_outcome(float(reward), bool(done), bool(success), bool(invalid))
   if problem:
     raise ValueError(f"render_target: inconsistent outcome: {problem}")
   fields = {"next_state": next_state} | ({"reasoning": reasoning} if cfg.reasoning else {})
@@ -217,13 +231,14 @@ def render_target(cfg: ExpFormatConfig, reasoning: str, next_state: str, reward:
   if not next_state.strip():
     raise ValueError("render_target: next_state is empty")
   think = f"<think>\n{reasoning}\n</think>\n" if cfg.reasoning else ""
-  return (f"{think}<next_state>\n{next_state}\n</next_state>\n<reward>{_reward_text(float(reward))}</reward>\n"
+  return (f"{think}<next_state>\n{next_state}\n</next_state>\n<invalid>{_flag(invalid)}</invalid>\n"
+          f"<reward>{_reward_text(float(reward))}</reward>\n"
           f"<done>{_flag(done)}</done>\n<success>{_flag(success)}</success>")
 
 
 def transition_target(cfg: ExpFormatConfig, t: TransitionLike, reasoning: str = "") -> str:
   """The exact target text for a recorded transition (e.g. `dreamjax.data.records.Transition`)."""
-  return render_target(cfg, reasoning, t.next_state, t.reward, t.done, t.success)
+  return render_target(cfg, reasoning, t.next_state, t.reward, t.done, t.success, t.invalid)
 
 
 def sft_example(tokenizer: Tokenizer, cfg: ExpFormatConfig, instruction: str, history: Sequence[tuple[str, str]],
@@ -309,12 +324,13 @@ def parse_output(text: str, cfg: ExpFormatConfig) -> ExpPrediction:
     return ExpPrediction.failure(what, reasoning)
   if not blocks["next_state"].strip():
     return ExpPrediction.failure("empty <next_state>", reasoning)
-  reward, error = _parse_reward(blocks["reward"])
+  invalid, error = _parse_flag(blocks["invalid"], "invalid")
+  reward, error = (None, error) if error else _parse_reward(blocks["reward"])
   done, error = (None, error) if error else _parse_flag(blocks["done"], "done")
   success, error = (None, error) if error else _parse_flag(blocks["success"], "success")
   if error:
     return ExpPrediction.failure(error, reasoning)
-  problem = check_outcome(reward, done, success)
+  problem = check_outcome(reward, done, success, invalid)
   if problem:
     return ExpPrediction.failure(f"inconsistent outcome: {problem}", reasoning)
-  return ExpPrediction(blocks["next_state"], reward, done, success, reasoning, True, "")
+  return ExpPrediction(blocks["next_state"], reward, done, success, reasoning, True, "", invalid)

@@ -1,0 +1,303 @@
+"""How faithful the experience model is to the real env, on held-out real trajectories.
+
+Two protocols (`one_step`, `open_loop`), each scored against the real transitions by `score`, next to the
+copy-the-state baseline (next state = current state, reward 0, not done, valid: what a model that learned nothing
+about the dynamics would say):
+- **Teacher-forced one step**: the prompt is built from the true history and true current state (exactly the SFT
+  example's prompt); M_exp decodes greedily and its output is parsed.
+- **Open-loop multi-step**: from the episode's real first state, M_exp's own predicted states are fed back as the
+  current state and history along the recorded action sequence (retrieval queried with the predicted state, as
+  SyntheticEnv does); step h is compared with the real state after h actions. Copy baseline: the first state forever.
+
+Metrics (`score`): next-state exact match and whitespace-token F1; accuracy, precision and recall of the reward
+(positive: reward 1), success, done and invalid flags (precision is None when nothing is predicted positive, recall
+when nothing is); the parse-failure rate; and the two error terms of the paper's bound (Appendix B), which it defines
+as suprema and never measures:
+- eps_R = sup |R - R_hat|: reported as the mean and the max of |r - r_hat| over held-out transitions (greedy r_hat; a
+  failed parse predicts 0). The max over a sample is all a finite set can give of the sup.
+- eps_P = sup TV(P(.|s, a), P_hat(.|s, a)). Write q(s') for the model's probability of writing next state s'. For a
+  transition whose real next state is s* with probability P(s*), E_{s*~P}[1 - q(s*)] = 1 - sum_s P(s) q(s) >=
+  1 - sum_s min(P(s), q(s)) = TV, with equality when P is a point mass (a deterministic env such as TextWorld-Express,
+  given the full history). So 1 - q(s*) per held-out transition estimates TV from above, exactly for deterministic
+  dynamics. Two estimates of q(s*):
+  * `eps_P_sampled`: the fraction of n samples at temperature 1 whose parsed next state equals s*: unbiased for q(s*)
+    with reasoning marginalised (the sampled max over transitions is biased upwards at small n);
+  * `eps_P_tf`: from teacher-forced log-probs, q(s*) >= p(R*) p(<next_state> block of s* | R*) (one reasoning trace of
+    the sum over traces, one tokenization of s*, and the newline after the closing tag included), so
+    1 - exp(logp) bounds each transition's TV from above; without reasoning the R* factor is absent.
+  The copy baseline is deterministic: its TV per transition is 1 - [s* == s].
+Teacher-forced NLL per target token is reported by region (reasoning, next state, outcome flags): Eq. 5's two terms.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from dreamjax.data.records import TrajectoryRecord, Transition, transitions
+from dreamjax.experience.annotate import Annotation
+from dreamjax.experience.format import ExpPrediction, parse_output, transition_target
+from dreamjax.experience.sft_data import NEXT_STATE, REASONING, REGION_NAMES, ExampleBuilder, ExpExample, retrieve
+from dreamjax.models import ModelConfig
+from dreamjax.replay.retriever import Retriever
+from dreamjax.rl.logprobs import LogpScorer
+from dreamjax.sampling import Sampler, sampling_params
+from dreamjax.text import Tokenizer
+
+MIN_BUCKET = 64
+
+
+def prompt_buckets(max_len: int) -> tuple[int, ...]:
+  """Prompt lengths the sampler compiles for: powers of two from 64, then `max_len` rounded up to 64."""
+  top = -(-max_len // MIN_BUCKET) * MIN_BUCKET
+  out, b = [], MIN_BUCKET
+  while b < top:
+    out.append(b)
+    b *= 2
+  return (*out, top)
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+  return next((b for b in buckets if b >= n), -(-n // MIN_BUCKET) * MIN_BUCKET)
+
+
+class Predictor:
+  """M_exp as a batched text predictor: prompts in, decoded outputs and parsed predictions out.
+
+  Prompts are left-padded to a few bucket lengths and grouped into batches of exactly `batch_size` rows (short
+  groups repeat their last row), so the sampler compiles once per bucket. Row i of a call draws from
+  fold_in(key(seed), i), so a prompt's sample does not depend on its batch neighbours.
+  """
+
+  def __init__(self, model_cfg: ModelConfig, params: Any, tokenizer: Tokenizer, builder: ExampleBuilder,
+               max_new_tokens: int, batch_size: int = 16, mesh: jax.sharding.Mesh | None = None):
+    self.tokenizer, self.builder, self.fmt = tokenizer, builder, builder.fmt
+    self.batch_size, self.max_new_tokens = batch_size, max_new_tokens
+    self.sampler = Sampler(model_cfg, max_new_tokens, pad_id=tokenizer.pad_id, mesh=mesh)
+    self.set_params(params)
+    self.buckets = prompt_buckets(builder.max_len)
+    self.stop = [[i] for i in tokenizer.eos_ids]
+
+  def set_params(self, params: Any) -> None:
+    """Uses `params` from now on (resharded for sampling when there is a mesh)."""
+    mesh = self.sampler.mesh
+    self.params = params if mesh is None else jax.device_put(params, self.sampler.param_shardings())
+
+  def generate(self, prompts: Sequence[np.ndarray], temperature: float = 0.0, seed: int = 0) -> list[str]:
+    """Decoded outputs (without the stop token), one per prompt."""
+    out: list[str] = [""] * len(prompts)
+    groups: dict[int, list[int]] = collections.defaultdict(list)
+    for i, p in enumerate(prompts):
+      groups[_bucket(len(p), self.buckets)].append(i)
+    base = jax.random.key(seed)
+    for width, rows in sorted(groups.items()):
+      for start in range(0, len(rows), self.batch_size):
+        chunk = rows[start:start + self.batch_size]
+        padded = chunk + [chunk[-1]] * (self.batch_size - len(chunk))
+        tokens = np.full((self.batch_size, width), self.tokenizer.pad_id, np.int32)
+        mask = np.zeros(tokens.shape, bool)
+        for j, i in enumerate(padded):
+          p = prompts[i]
+          tokens[j, width - len(p):], mask[j, width - len(p):] = p, True
+        keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(np.asarray(padded, np.uint32))
+        sp = sampling_params(self.batch_size, self.max_new_tokens, temperature, stop=self.stop)
+        res = jax.device_get(self.sampler(self.params, tokens, mask, keys, sp))
+        for j, i in enumerate(chunk):
+          n = int(res.lengths[j]) - int(bool(res.stopped[j]))  # the stop token is not part of the answer
+          out[i] = self.tokenizer.decode(res.tokens[j, :n])
+    return out
+
+  def predict(self, prompts: Sequence[np.ndarray], temperature: float = 0.0,
+              seed: int = 0) -> tuple[list[str], list[ExpPrediction]]:
+    texts = self.generate(prompts, temperature, seed)
+    return texts, [parse_output(t, self.fmt) for t in texts]
+
+
+# --- scoring ---------------------------------------------------------------------------------------------------------
+
+
+def token_f1(predicted: str, true: str) -> float:
+  """Bag-of-whitespace-tokens F1 (SQuAD style); 1 when both are empty."""
+  p, t = predicted.split(), true.split()
+  if not p and not t:
+    return 1.0
+  common = sum((collections.Counter(p) & collections.Counter(t)).values())
+  if common == 0:
+    return 0.0
+  precision, recall = common / len(p), common / len(t)
+  return 2 * precision * recall / (precision + recall)
+
+
+def _rate(num: int, den: int) -> float | None:
+  return num / den if den else None
+
+
+def _flag_metrics(name: str, pred: np.ndarray, true: np.ndarray) -> dict[str, float | None]:
+  return {f"{name}_acc": float(np.mean(pred == true)) if len(true) else None,
+          f"{name}_precision": _rate(int(np.sum(pred & true)), int(np.sum(pred))),
+          f"{name}_recall": _rate(int(np.sum(pred & true)), int(np.sum(true)))}
+
+
+def copy_prediction(t: Transition) -> ExpPrediction:
+  """The copy-the-state baseline's prediction for a transition."""
+  return ExpPrediction(t.state, 0.0, False, False, "", True, "", False)
+
+
+def score(truths: Sequence[Transition], preds: Sequence[ExpPrediction]) -> dict[str, Any]:
+  """Fidelity metrics of predictions against real transitions (see the module docstring)."""
+  if len(truths) != len(preds):
+    raise ValueError(f"score: {len(truths)} transitions but {len(preds)} predictions")
+  n = len(truths)
+  if n == 0:
+    return {"n": 0}
+  exact = np.array([p.next_state == t.next_state for t, p in zip(truths, preds)])
+  out: dict[str, Any] = {
+      "n": n,
+      "exact_match": float(exact.mean()),
+      "exact_count": int(exact.sum()),
+      "token_f1": float(np.mean([token_f1(p.next_state, t.next_state) for t, p in zip(truths, preds)])),
+      "parse_failure": float(np.mean([not p.ok for p in preds])),
+  }
+  for name in ("reward", "success", "done", "invalid"):
+    if name == "reward":
+      pred = np.array([p.reward == 1.0 for p in preds])
+      true = np.array([t.reward == 1.0 for t in truths])
+    else:
+      pred = np.array([bool(getattr(p, name)) for p in preds])
+      true = np.array([bool(getattr(t, name)) for t in truths])
+    out |= _flag_metrics(name, pred, true)
+  err = np.abs(np.array([t.reward for t in truths]) - np.array([p.reward for p in preds]))
+  out["eps_R_mean"], out["eps_R_max"] = float(err.mean()), float(err.max())
+  return out
+
+
+# --- one step --------------------------------------------------------------------------------------------------------
+
+
+def region_logps(scorer: LogpScorer, params: Any, examples: Sequence[ExpExample],
+                 pad_to: int = MIN_BUCKET) -> tuple[np.ndarray, np.ndarray]:
+  """(summed log-prob [N, 4], token count [N, 4]) of each example's regions (PROMPT column unused), teacher-forced."""
+  sums = np.zeros((len(examples), 4), np.float64)
+  counts = np.zeros((len(examples), 4), np.int64)
+  order = np.argsort([len(e.ids) for e in examples], kind="stable")  # similar lengths share a padded batch
+  for start in range(0, len(examples), scorer.batch_size):
+    rows = order[start:start + scorer.batch_size]
+    width = -(-max(len(examples[i].ids) for i in rows) // pad_to) * pad_to
+    tokens = np.zeros((len(rows), width), np.int32)
+    valid = np.zeros(tokens.shape, bool)
+    for j, i in enumerate(rows):
+      tokens[j, :len(examples[i].ids)], valid[j, :len(examples[i].ids)] = examples[i].ids, True
+    logp, _ = scorer(params, tokens, None, valid)
+    for j, i in enumerate(rows):
+      e = examples[i]
+      lp = logp[j, :len(e.ids)]
+      for r in REGION_NAMES:
+        sel = (e.regions == r) & (e.loss_mask == 1)
+        sums[i, r], counts[i, r] = float(lp[sel].sum()), int(sel.sum())
+  return sums, counts
+
+
+def teacher_forced(scorer: LogpScorer, params: Any, examples: Sequence[ExpExample]) -> dict[str, Any]:
+  """NLL per target token by region and overall, and the teacher-forced eps_P bound (module docstring)."""
+  if not examples:
+    return {}
+  sums, counts = region_logps(scorer, params, examples)
+  out: dict[str, Any] = {}
+  for r, name in REGION_NAMES.items():
+    out[f"nll_{name}"] = float(-sums[:, r].sum() / counts[:, r].sum()) if counts[:, r].sum() else None
+  out["nll"] = float(-sums.sum() / counts.sum())
+  tv = 1.0 - np.exp(sums[:, REASONING] + sums[:, NEXT_STATE])
+  out["eps_P_tf_mean"], out["eps_P_tf_max"] = float(tv.mean()), float(tv.max())
+  return out
+
+
+def one_step(predictor: Predictor, examples: Sequence[ExpExample], *, scorer: LogpScorer | None = None,
+             tv_samples: int = 0, seed: int = 0) -> dict[str, Any]:
+  """Teacher-forced one-step fidelity of M_exp and of the copy baseline on `examples`.
+
+  Returns {"model": metrics, "copy": metrics, "rows": per-example predictions}; with a `scorer`, the model's metrics
+  include the teacher-forced NLLs and eps_P bound; with `tv_samples` n > 0, the sampled eps_P estimate.
+  """
+  truths = [e.transition for e in examples]
+  prompts = [e.prompt for e in examples]
+  texts, preds = predictor.predict(prompts)
+  model = score(truths, preds)
+  copy = score(truths, [copy_prediction(t) for t in truths])
+  if examples:
+    tv_copy = np.array([t.next_state != t.state for t in truths], np.float64)
+    copy["eps_P_mean"], copy["eps_P_max"] = float(tv_copy.mean()), float(tv_copy.max())
+  if scorer is not None:
+    model |= teacher_forced(scorer, predictor.params, examples)
+  if tv_samples > 0 and examples:
+    hits = np.zeros(len(examples))
+    for s in range(tv_samples):
+      _, sampled = predictor.predict(prompts, temperature=1.0, seed=seed + 1 + s)
+      hits += [p.next_state == t.next_state for t, p in zip(truths, sampled)]
+    tv = 1.0 - hits / tv_samples
+    model |= {"eps_P_sampled_mean": float(tv.mean()), "eps_P_sampled_max": float(tv.max()), "tv_samples": tv_samples}
+  rows = [{"episode_id": t.episode_id, "step": t.step, "state": t.state, "action": t.action,
+           "true_next_state": t.next_state, "output": text, "ok": p.ok, "error": p.error,
+           "exact": p.next_state == t.next_state}
+          for t, text, p in zip(truths, texts, preds)]
+  return {"model": model, "copy": copy, "rows": rows}
+
+
+# --- open loop -------------------------------------------------------------------------------------------------------
+
+
+def _horizon_curve(truths: list[list[Transition]], preds: list[list[ExpPrediction]], horizon: int) -> list[float]:
+  curve = []
+  for h in range(horizon):
+    pairs = [(t[h], p[h]) for t, p in zip(truths, preds) if len(t) > h]
+    curve.append(float(np.mean([p.next_state == t.next_state for t, p in pairs])) if pairs else math.nan)
+  return curve
+
+
+def open_loop(predictor: Predictor, records: Sequence[TrajectoryRecord], annotations: dict[str, Annotation],
+              retriever: Retriever | None, max_steps: int = 20) -> dict[str, Any]:
+  """Open-loop rollouts of M_exp along each record's actions (see the module docstring), and the copy baseline.
+
+  Each step's prompt is fitted like the SFT example of the real step (the real target's tokens and the assistant
+  wrapper's closing are reserved), so at step 1 the prompt is exactly the one-step prompt. Returns {"model", "copy"}
+  metrics over all steps, each with "exact_by_step" (exact match at horizon 1, 2, ...) and "episode_exact" (episodes
+  whose every step matched), plus "horizon".
+  """
+  builder, fmt, tok = predictor.builder, predictor.fmt, predictor.tokenizer
+  episodes = [list(transitions([r]))[:max_steps] for r in records]
+  episodes = [e for e in episodes if e]
+  states = [e[0].state for e in episodes]
+  history: list[list[tuple[str, str]]] = [[] for _ in episodes]
+  preds: list[list[ExpPrediction]] = [[] for _ in episodes]
+  horizon = max((len(e) for e in episodes), default=0)
+  for h in range(horizon):
+    live = [i for i, e in enumerate(episodes) if len(e) > h]
+    steps = [episodes[i][h] for i in live]
+    found = retrieve(retriever, fmt, [states[i] for i in live], [t.action for t in steps],
+                     [t.episode_id for t in steps])
+    prompts = []
+    for i, t, neighbours in zip(live, steps, found):
+      reasoning = annotations[t.episode_id].reasons[t.step]
+      reserve = len(tok.encode(transition_target(fmt, t, reasoning))) + len(tok.chat_format.assistant.suffix)
+      prompts.append(builder.prompt(t.instruction, history[i], neighbours, states[i], t.action, h, reserve))
+    _, out = predictor.predict(prompts)
+    for i, t, p in zip(live, steps, out):
+      preds[i].append(p)
+      history[i].append((states[i], t.action))
+      states[i] = p.next_state
+  copies = [[ExpPrediction(e[0].state, 0.0, False, False, "", True, "", False) for _ in e] for e in episodes]
+  result: dict[str, Any] = {"horizon": horizon}
+  for name, ps in (("model", preds), ("copy", copies)):
+    flat_t = [t for e in episodes for t in e]
+    flat_p = [p for e in ps for p in e]
+    m = score(flat_t, flat_p)
+    m["exact_by_step"] = _horizon_curve(episodes, ps, horizon)
+    m["episode_exact"] = float(np.mean([all(p.next_state == t.next_state for t, p in zip(e, q))
+                                        for e, q in zip(episodes, ps)])) if episodes else None
+    result[name] = m
+  return result
+

@@ -1,0 +1,307 @@
+"""Supervised training of the experience model M_exp (DreamGym Eq. 5) on annotated offline transitions.
+
+  L = -log P(R*_t | s_t, a_t, H_t, D_k) - log P(s_{t+1}, r_{t+1} | s_t, a_t, R*_t, H_t, D_k)
+
+Both terms are one token-level SFT loss over the target (reasoning, then next state and outcome flags, then the
+end-of-turn token): the shared "sft" objective with the example's loss mask, through the shared jitted `TrainStep`
+(micro-batches, mesh shardings, donation). `ExpFormatConfig` carries the ablation switches (reasoning, history,
+retrieval), so each ablation is this same run with one switch off.
+
+One code path for every scale: the model always comes from an HF folder, either the checkpoint named in
+`ModelSource.checkpoint` or a tiny one built for the run (a BPE trained on the training side's own text and a random
+model of `ModelSource.tiny`'s shape). Retrieval uses phi = MiniLM by default; "backbone" pools the initial M_exp
+checkpoint's hidden states (no extra weights; meant for small models, as it loads the checkpoint a second time).
+
+Batches are fixed shapes: `batch_size` rows (a multiple of micro-batches x data-parallel size) padded to one of a few
+length buckets (powers of two up to `max_len`), so the step compiles at most once per bucket. Rows are drawn from a
+seeded permutation per epoch; the PRNG key is folded with the step. Every `eval_every` steps the held-out side is
+scored (teacher-forced NLL by region: reasoning, next state, outcome; greedy one-step exact match of a fixed subset
+against the copy baseline). At the end the model is saved as an HF folder (with the tokenizer and `exp_model.json`,
+which records the format, max_len, decode budget and retrieval encoder the model was trained with) and the final
+held-out fidelity goes into summary.json.
+
+Run: python -m dreamjax.train.exp_sft --config configs/train_exp_twx.py[:variant] [--set key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from dreamjax.config import apply_override
+from dreamjax.data.records import TrajectoryRecord, read_trajectories
+from dreamjax.experience.annotate import Annotation, read_annotations
+from dreamjax.experience.fidelity import MIN_BUCKET, Predictor, one_step, prompt_buckets, teacher_forced
+from dreamjax.experience.format import ExpFormatConfig
+from dreamjax.experience.sft_data import (
+    EXCLUDE,
+    ExampleBuilder,
+    ExpExample,
+    annotations_for,
+    build_sft_data,
+    corpus,
+    split_by_task,
+)
+from dreamjax.parallel import MeshConfig, make_mesh
+from dreamjax.replay.encoder import BackbonePooledEncoder, make_encoder
+from dreamjax.replay.retriever import Retriever
+from dreamjax.rl.batch import sft_batch
+from dreamjax.rl.logprobs import LogpScorer
+from dreamjax.rl.objectives import make_objective
+from dreamjax.rl.optim import OptimConfig, make_optimizer
+from dreamjax.rl.train_state import create_train_state
+from dreamjax.rl.update import make_train_step
+from dreamjax.train.run import ModelSource, build_tiny_checkpoint, load_model, open_run, save_model, to_json
+
+META_FILE = "exp_model.json"
+ENCODERS = ("minilm", "backbone")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpSftConfig:
+  trajectories: tuple[str, ...] = ()  # offline trajectory JSONL files (dreamjax collect)
+  annotations: tuple[str, ...] = ()  # annotation JSONL files; empty: the rule-based annotator, run on the fly
+  max_episodes: int = 0  # read at most this many episodes (0: all)
+  format: ExpFormatConfig = ExpFormatConfig()
+  model: ModelSource = ModelSource()
+  optim: OptimConfig = OptimConfig(lr=1e-5, warmup_steps=50, schedule="cosine", total_steps=1000,
+                                   end_lr_factor=0.1, weight_decay=0.01)
+  batch_size: int = 32  # rows per step; a multiple of micro_batches x the mesh's data-parallel size
+  micro_batches: int = 1
+  steps: int = 0  # optimizer steps; 0: `epochs` passes over the training examples
+  epochs: float = 2.0
+  max_len: int = 2048  # tokens per example (prompt + target); longer ones are trimmed, then dropped (counted)
+  max_new_tokens: int = 0  # decode budget for fidelity; 0: the longest training target + 25%, rounded up to 32
+  eval_every: int = 200  # steps between held-out evaluations (0: only at the end)
+  eval_examples: int = 64  # held-out examples decoded in periodic evaluations (the final one uses all)
+  eval_batch_size: int = 16
+  held_out_fraction: float = 0.1  # of tasks
+  retrieval_encoder: str = "minilm"  # "minilm" | "backbone"
+  retrieval_exclude: str = "episode"  # what a training example's neighbours never share with it: "episode" | "task"
+  log_every: int = 10
+  out_dir: str = "runs/exp_sft/twx"
+  seed: int = 0
+  mesh: MeshConfig = MeshConfig()  # all sizes positive: the first prod(sizes) devices; one -1: all devices
+
+  def __post_init__(self):
+    if self.retrieval_exclude not in EXCLUDE:
+      raise ValueError(f"ExpSftConfig.retrieval_exclude must be one of {EXCLUDE}, got {self.retrieval_exclude!r}")
+    if self.retrieval_encoder not in ENCODERS:
+      raise ValueError(f"ExpSftConfig.retrieval_encoder must be one of {ENCODERS}, got {self.retrieval_encoder!r}")
+    for name in ("batch_size", "micro_batches", "max_len", "eval_batch_size"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"ExpSftConfig.{name} must be >= 1, got {getattr(self, name)}")
+    if self.steps < 0 or self.epochs < 0 or self.eval_every < 0 or self.max_new_tokens < 0:
+      raise ValueError("ExpSftConfig: steps, epochs, eval_every and max_new_tokens must be >= 0")
+
+
+def mesh_of(cfg: MeshConfig) -> jax.sharding.Mesh:
+  sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+  devices = jax.devices() if -1 in sizes else jax.devices()[: math.prod(sizes)]
+  return make_mesh(cfg, devices)
+
+
+def length_buckets(max_len: int) -> tuple[int, ...]:
+  return prompt_buckets(max_len)
+
+
+def load_records(paths: tuple[str, ...], max_episodes: int = 0) -> list[TrajectoryRecord]:
+  if not paths:
+    raise ValueError("ExpSftConfig.trajectories: no trajectory files given")
+  records: list[TrajectoryRecord] = []
+  for path in paths:
+    if not Path(path).is_file():
+      raise ValueError(f"ExpSftConfig.trajectories: {path} does not exist")
+    records += read_trajectories(path)
+  seen: dict[str, str] = {}
+  for r in records:
+    if r.episode_id in seen:
+      raise ValueError(f"ExpSftConfig.trajectories: episode {r.episode_id!r} appears twice")
+    seen[r.episode_id] = ""
+  return records[:max_episodes] if max_episodes else records
+
+
+def load_annotation_files(paths: tuple[str, ...]) -> dict[str, Annotation] | None:
+  if not paths:
+    return None
+  out: dict[str, Annotation] = {}
+  for path in paths:
+    for key, a in read_annotations(path).items():
+      if key in out:
+        raise ValueError(f"{path}: episode {key!r} is annotated in an earlier annotation file too")
+      out[key] = a
+  return out
+
+
+def make_retriever(name: str, encoder_folder: str | Path) -> Retriever:
+  """A fresh retriever with the run's phi: MiniLM, or the pooled backbone of the checkpoint in `encoder_folder`."""
+  encoder = make_encoder("minilm") if name == "minilm" else BackbonePooledEncoder.from_folder(encoder_folder)
+  return Retriever(encoder)
+
+
+def decode_budget(examples: list[ExpExample], max_len: int) -> int:
+  longest = max((int(e.loss_mask.sum()) for e in examples), default=32)
+  return min(max_len, -(-int(longest * 1.25) // 32) * 32)
+
+
+def _batches(n: int, batch_size: int, total_steps: int, seed: int):
+  """Row indices per step: seeded permutations of range(n), one per epoch, read in consecutive slices."""
+  rng = np.random.default_rng(seed)
+  order = np.zeros(0, np.int64)
+  for _ in range(total_steps):
+    while len(order) < batch_size:
+      order = np.concatenate([order, rng.permutation(n)])
+    yield order[:batch_size]
+    order = order[batch_size:]
+
+
+def _evaluate(predictor: Predictor, scorer: LogpScorer, params: Any, held: list[ExpExample],
+              decode: list[ExpExample]) -> dict[str, Any]:
+  predictor.set_params(params)
+  out = {f"held_out_{k}": v for k, v in teacher_forced(scorer, predictor.params, held).items()}
+  res = one_step(predictor, decode)
+  for k in ("exact_match", "token_f1", "parse_failure", "reward_acc", "done_acc", "invalid_acc"):
+    out[f"held_out_{k}"] = res["model"].get(k)
+  out["held_out_copy_exact_match"] = res["copy"].get("exact_match")
+  return out
+
+
+def run(cfg: ExpSftConfig) -> dict[str, Any]:
+  """Trains M_exp; returns the summary (also written to out_dir/summary.json)."""
+  t0 = time.perf_counter()
+  out, log = open_run(cfg.out_dir, cfg)
+  records = load_records(cfg.trajectories, cfg.max_episodes)
+  notes = annotations_for(records, load_annotation_files(cfg.annotations))
+  train_records, _ = split_by_task(records, cfg.held_out_fraction, cfg.seed)
+  if cfg.model.checkpoint:
+    init_folder = Path(cfg.model.checkpoint)
+  else:
+    init_folder = out / "init"
+    if not (init_folder / "config.json").is_file():
+      tiny = cfg.model.tiny.replace(max_position_embeddings=max(cfg.model.tiny.max_position_embeddings, cfg.max_len))
+      build_tiny_checkpoint(dataclasses.replace(cfg.model, tiny=tiny), corpus(train_records, notes, cfg.format),
+                            init_folder, cfg.seed)
+  mesh = mesh_of(cfg.mesh)
+  model_cfg, params, tokenizer = load_model(init_folder, value_head=False, mesh=mesh, seed=cfg.seed)
+  retriever = make_retriever(cfg.retrieval_encoder, init_folder) if cfg.format.retrieval and cfg.format.k else None
+  builder = ExampleBuilder(tokenizer, cfg.format, cfg.max_len)
+  data = build_sft_data(records, builder, retriever, held_out_fraction=cfg.held_out_fraction, seed=cfg.seed,
+                        annotations=notes, exclude=cfg.retrieval_exclude)
+  if not data.train:
+    raise ValueError(f"no training examples fit max_len={cfg.max_len} ({data.stats})")
+  print(f"exp_sft: {len(data.train)} training and {len(data.held_out)} held-out examples; {data.stats}", flush=True)
+  max_new = cfg.max_new_tokens or decode_budget(data.train, cfg.max_len)
+
+  optimizer = make_optimizer(cfg.optim)
+  step_fn = make_train_step(model_cfg, make_objective("sft"), optimizer, micro_batches=cfg.micro_batches, mesh=mesh)
+  if cfg.batch_size % step_fn.row_multiple:
+    raise ValueError(f"ExpSftConfig.batch_size {cfg.batch_size} is not a multiple of {step_fn.row_multiple} "
+                     "(micro_batches x data-parallel size)")
+  state = create_train_state(model_cfg, params, optimizer, mesh)
+  del params
+  total = cfg.steps or max(1, math.ceil(cfg.epochs * len(data.train) / cfg.batch_size))
+  predictor = Predictor(model_cfg, state.params, tokenizer, builder, max_new, cfg.eval_batch_size, mesh)
+  scorer = LogpScorer(model_cfg, cfg.eval_batch_size, pad_to=MIN_BUCKET, mesh=mesh)
+  decode_subset = data.held_out[: cfg.eval_examples]
+  buckets = length_buckets(cfg.max_len)
+  key = jax.random.key(cfg.seed)
+  history: list[dict[str, Any]] = []
+  train_tokens = 0
+  t_train = time.perf_counter()
+  for step, rows in enumerate(_batches(len(data.train), cfg.batch_size, total, cfg.seed), start=1):
+    examples = [data.train[i] for i in rows]
+    width = next(b for b in buckets if b >= max(len(e.ids) for e in examples))
+    batch = sft_batch([e.ids for e in examples], [e.loss_mask for e in examples], pad_to=width,
+                      row_multiple=cfg.batch_size)
+    state, metrics = step_fn(state, batch, jax.random.fold_in(key, step))
+    train_tokens += int(sum(len(e.ids) for e in examples))
+    # The last step's evaluation is the final one below, over every held-out example.
+    evaluate = bool(cfg.eval_every) and step % cfg.eval_every == 0 and step != total
+    if step % cfg.log_every == 0 or step == total or evaluate:
+      row = {k: float(v) for k, v in jax.device_get(metrics).items()}
+      row["epoch"] = step * cfg.batch_size / len(data.train)
+      row["tokens_per_s"] = train_tokens / (time.perf_counter() - t_train)
+      if evaluate and data.held_out:
+        row |= _evaluate(predictor, scorer, state.params, data.held_out, decode_subset)
+      history.append(log.log(step, row))
+      print(f"step {step}/{total}: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(row.items())
+                                                  if isinstance(v, float) and k in _SHOWN), flush=True)
+  checkpoint = save_model(state.params, model_cfg, init_folder, out / "checkpoint")
+  meta = {"format": to_json(cfg.format), "max_len": cfg.max_len, "max_new_tokens": max_new,
+          "retrieval_encoder": cfg.retrieval_encoder, "encoder_folder": str(init_folder), "env": records[0].env}
+  (checkpoint / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+  final: dict[str, Any] = {}
+  if data.held_out:
+    predictor.set_params(state.params)
+    res = one_step(predictor, data.held_out, scorer=scorer)
+    final = {"model": res["model"], "copy": res["copy"]}
+    log.log(total, {f"final_held_out_{k}": v for k, v in res["model"].items() if isinstance(v, int | float)}
+            | {f"final_held_out_copy_{k}": v for k, v in res["copy"].items() if isinstance(v, int | float)})
+    with open(out / "held_out_predictions.jsonl", "w", encoding="utf-8") as f:
+      for r in res["rows"]:
+        f.write(json.dumps(r, sort_keys=True) + "\n")
+  summary = {
+      "checkpoint": str(checkpoint), "steps": total, "examples": len(data.train), "held_out": len(data.held_out),
+      "data": data.stats, "held_out_episodes": sorted(r.episode_id for r in data.held_out_records),
+      "held_out_tasks": sorted({r.task.task_id for r in data.held_out_records}),
+      "final_train_loss": history[-1].get("loss") if history else None, "held_out_fidelity": final,
+      "max_new_tokens": max_new, "seconds": round(time.perf_counter() - t0, 1),
+      "train_seconds": round(time.perf_counter() - t_train, 1), "compilations": step_fn.compilations(),
+  }
+  (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+  log.close()
+  return summary
+
+
+_SHOWN = {"loss", "grad_norm", "learning_rate", "tokens_per_s", "held_out_nll", "held_out_nll_next_state",
+          "held_out_exact_match", "held_out_copy_exact_match", "held_out_parse_failure"}
+
+
+def load_named_config(spec: str, overrides: list[str]) -> ExpSftConfig:
+  """`path.py` (its config()) or `path.py:name` (its name()), with `key=value` overrides applied."""
+  path, _, name = spec.partition(":")
+  if not Path(path).is_file():
+    raise ValueError(f"config file {path} does not exist")
+  module_spec = importlib.util.spec_from_file_location(f"dreamjax_config_{Path(path).stem}", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  fn = getattr(module, name or "config", None)
+  if not callable(fn):
+    raise ValueError(f"{path}: defines no {name or 'config'}() function")
+  cfg = fn()
+  for item in overrides:
+    cfg = apply_override(cfg, item, source=path)
+  return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m dreamjax.train.exp_sft", description=__doc__.splitlines()[0])
+  parser.add_argument("--config", required=True, help="configs/<file>.py or configs/<file>.py:<variant>")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+  args = parser.parse_args(argv)
+  try:
+    cfg = load_named_config(args.config, args.set)
+    summary = run(cfg)
+  except ValueError as e:
+    print(f"exp_sft: {e}", file=sys.stderr)
+    return 2
+  fid = summary["held_out_fidelity"]
+  if fid:
+    print(f"held-out one-step exact match {fid['model']['exact_match']:.3f} (copy baseline "
+          f"{fid['copy']['exact_match']:.3f}) over {fid['model']['n']} transitions")
+  print(f"checkpoint: {summary['checkpoint']}; summary: {Path(cfg.out_dir) / 'summary.json'}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

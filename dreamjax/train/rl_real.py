@@ -1,0 +1,414 @@
+"""PPO or GRPO against a real environment (the paper's real-env baselines and the S2R stage), with held-out evaluation.
+
+One iteration (`RealEnvRL.iteration`):
+1. draw B tasks from the training pool: a fixed shuffle of the pool per pass, so the draw depends only on the seed and
+   the iteration and every task comes up once per pass;
+2. roll out G episodes per task against the real env through the `RolloutEngine` (token-in/token-out turn rows, one
+   fresh bounded prompt per turn, so memory does not grow with episode length);
+3. score the rows under the frozen reference policy (GRPO's KL term) and, for PPO, the critic's values under the
+   current policy;
+4. build the `TokenBatch` (`rl_batch`: GRPO group-normalised returns, or GAE over turns for PPO; the invalid-action
+   penalty subtracted from invalid turns); only sampled action tokens carry loss weight, never observation tokens;
+5. update: `epochs` passes over the rows, each cut into optimizer steps of a fixed `rows_per_step` rows (balanced, the
+   last padded with empty rows) and a length rounded up to `pad_to`, so the jitted step compiles once per length
+   bucket; `micro_batches` splits a step for memory on long contexts;
+6. log metrics; every `eval_every` iterations (and before the first and after the last) evaluate greedily on the
+   held-out tasks, recording the real transitions consumed by training at that point. With `eval_sampled`, the same
+   tasks are also run once each at the rollout temperature: the success of the stochastic policy RL optimises, which
+   can rise while the greedy answer in some state has not yet flipped.
+
+GRPO groups whose G returns are all equal have zero advantage (`grpo_advantages`); they still carry the KL term. With
+`drop_zero_variance_groups` (DAPO's dynamic-sampling filter) their rows are left out of the update, which saves their
+compute; their fraction is logged either way.
+
+Real transitions: one per answer that parsed and was sent to the env (`evaluate.unparsed_rows`); unparseable answers
+cost no env step. Only training rollouts count; evaluation episodes are reported separately.
+
+Reproducibility: one root key from the seed, folded with (iteration, phase) for rollouts and updates; NumPy draws are
+seeded with (seed, phase, ...). On CPU a rerun with the same seed logs identical metrics, timings aside (keys ending
+in "_s").
+
+Outputs in `out_dir`: config.json, metrics.jsonl (one row per iteration), evals.jsonl (each evaluation with per-task
+outcomes), summary.json, learning_curve.svg, and the final policy as an HF checkpoint folder `final/`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dreamjax.data.collect import env_tasks, parse_env_kwargs
+from dreamjax.envs.base import BatchEnv, SerialBatchEnv, Task
+from dreamjax.envs.registry import make_env
+from dreamjax.models import ModelConfig, tiny
+from dreamjax.parallel import TRAIN_RULES, MeshConfig, make_mesh
+from dreamjax.rl.batch import TokenBatch, rl_batch
+from dreamjax.rl.logprobs import LogpScorer
+from dreamjax.rl.objectives import Objective, PolicyGradientConfig
+from dreamjax.rl.optim import OptimConfig, make_optimizer
+from dreamjax.rl.train_state import create_train_state
+from dreamjax.rl.update import make_train_step
+from dreamjax.rollout.agent import INVALID_ANSWER, AgentFormat, format_answer, user_text
+from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
+from dreamjax.rollout.trajectory import Trajectories
+from dreamjax.text import Tokenizer
+from dreamjax.train.evaluate import evaluate, greedy_rollout, plot_learning_curve, unparsed_rows
+from dreamjax.train.run import ModelSource, build_tiny_checkpoint, load_model, open_run, save_model
+
+ALGORITHMS = {"grpo": ("grpo",), "ppo": ("gae_turn", "gae_token")}  # algorithm -> advantages it accepts
+PHASE_ROLLOUT, PHASE_UPDATE, PHASE_SHUFFLE, PHASE_EVAL, PHASE_TASKS = range(5)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+  """Tasks `start .. start + count - 1` of each game in one split, drawn by the env adapter's own tasks()."""
+
+  games: tuple[str, ...] = ("coin",)
+  split: str = "train"
+  start: int = 0
+  count: int = 64  # per game
+  game_params: str = ""  # env-specific game settings (TWX: "numLocations=2, includeDoors=0")
+
+  def tasks(self, env: str) -> list[Task]:
+    if not self.games or self.count < 1:
+      raise ValueError(f"TaskSpec: needs at least one game and count >= 1, got {self}")
+    return [t for g in self.games for t in env_tasks(env, g, self.split, self.count, self.start, self.game_params)]
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  # The policy: a warm-start HF folder (dreamjax train-policy's output), or empty for a tiny one built for the run.
+  model: ModelSource = ModelSource(tiny=tiny("qwen2", vocab_size=1024, hidden_size=128, intermediate_size=384,
+                                             num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                                             max_position_embeddings=1024))
+  algorithm: str = "grpo"  # grpo | ppo
+  # GRPO: clipped surrogate + low-variance KL to the frozen warm start. PPO: set vf_coef > 0 (critic on a value head).
+  # Its temperature must equal rollout.temperature (ratios compare the distributions the rollout sampled from).
+  objective: PolicyGradientConfig = PolicyGradientConfig(kl_coef=0.02, kl_kind="low_var_kl")
+  advantage: str = "grpo"  # grpo (with algorithm grpo) | gae_turn | gae_token (with algorithm ppo)
+  gamma: float = 1.0  # GAE discount per turn (gae_turn) or per token (gae_token)
+  lam: float = 1.0
+  normalize_std: bool = True  # GRPO: divide by the group's std (False: Dr. GRPO)
+  whiten_advantages: bool = False  # PPO: whiten advantages over the batch's action tokens
+  invalid_penalty: float = 0.1  # subtracted from the reward of a turn whose action was invalid or unparseable
+  drop_zero_variance_groups: bool = False  # GRPO: leave groups with equal returns out of the update
+  env: str = "textworld_express"
+  env_kwargs: tuple[str, ...] = ("step_limit=20",)  # "key=value"; values parsed as JSON where they parse
+  num_workers: int = 0  # EnvPool worker processes; 0: envs in this process (TWX is fast in-process)
+  train_tasks: TaskSpec = TaskSpec(split="train", count=256)
+  eval_tasks: TaskSpec = TaskSpec(split="dev", count=100)
+  agent: AgentFormat = AgentFormat(think=False)
+  rollout: RolloutConfig = RolloutConfig(group_size=8, max_turns=15, max_action_tokens=32, max_episode_tokens=512,
+                                         prompt_buckets=(512, 768), temperature=1.0)
+  tasks_per_iteration: int = 16  # B
+  optim: OptimConfig = OptimConfig(lr=1e-6, clip_norm=1.0)
+  rows_per_step: int = 64  # turn rows per optimizer step
+  micro_batches: int = 1  # gradient accumulation inside a step (memory)
+  epochs: int = 1  # passes over each iteration's rows (PPO epochs)
+  pad_to: int = 128  # row lengths are rounded up to a multiple of this (one compilation per multiple)
+  score_batch: int = 32  # rows per reference / value scoring call
+  iterations: int = 100
+  eval_every: int = 10  # 0: only before the first and after the last iteration
+  eval_batch: int = 0  # episodes per evaluation batch; 0: B * G
+  eval_sampled: bool = False  # also evaluate at the rollout temperature (one sampled episode per task)
+  out_dir: str = "runs/rl_real"
+  seed: int = 0
+  mesh: MeshConfig = MeshConfig()
+  devices: int = 0  # devices the mesh uses (the first ones); 0: all
+
+  def __post_init__(self):
+    if self.algorithm not in ALGORITHMS:
+      raise ValueError(f"RLConfig.algorithm must be one of {sorted(ALGORITHMS)}, got {self.algorithm!r}")
+    if self.advantage not in ALGORITHMS[self.algorithm]:
+      raise ValueError(f"RLConfig.advantage {self.advantage!r} does not go with algorithm {self.algorithm!r} "
+                       f"(expected one of {ALGORITHMS[self.algorithm]})")
+    if self.algorithm == "ppo" and self.objective.vf_coef <= 0:
+      raise ValueError("RLConfig: algorithm 'ppo' trains its critic through the value loss; set objective.vf_coef > 0")
+    if self.rollout.temperature <= 0 or self.objective.temperature != self.rollout.temperature:
+      raise ValueError(f"RLConfig: rollout.temperature ({self.rollout.temperature}) must be > 0 and equal to "
+                       f"objective.temperature ({self.objective.temperature}); set both")
+    for name in ("tasks_per_iteration", "rows_per_step", "micro_batches", "epochs", "pad_to", "score_batch",
+                 "iterations"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)}")
+    if self.eval_every < 0 or self.eval_batch < 0 or self.devices < 0:
+      raise ValueError("RLConfig: eval_every, eval_batch and devices must be >= 0")
+    if self.rows_per_step % self.micro_batches:
+      raise ValueError(f"RLConfig.rows_per_step ({self.rows_per_step}) must be a multiple of micro_batches "
+                       f"({self.micro_batches})")
+    parse_env_kwargs(self.env_kwargs)
+
+  @property
+  def rows(self) -> int:
+    """Episodes stepped together: B * G for training, eval_batch for evaluation."""
+    return max(self.tasks_per_iteration * self.rollout.group_size, self.eval_batch)
+
+
+def phase_key(root: jax.Array, iteration: int, phase: int) -> jax.Array:
+  return jax.random.fold_in(jax.random.fold_in(root, iteration), phase)
+
+
+def draw_tasks(pool: list[Task], n: int, iteration: int, seed: int) -> list[Task]:
+  """Tasks n*i .. n*i + n - 1 of an endless sequence of seeded shuffles of the pool (one shuffle per pass)."""
+  out = []
+  for i in range(n * iteration, n * (iteration + 1)):
+    order = np.random.default_rng((seed, PHASE_TASKS, i // len(pool))).permutation(len(pool))
+    out.append(pool[order[i % len(pool)]])
+  return out
+
+
+def make_batch_env(cfg: RLConfig) -> BatchEnv:
+  kwargs = parse_env_kwargs(cfg.env_kwargs)
+  if cfg.num_workers <= 0:
+    return SerialBatchEnv([make_env(cfg.env, **kwargs) for _ in range(cfg.rows)])
+  from dreamjax.envs.pool import EnvPool
+
+  return EnvPool(cfg.env, kwargs, cfg.num_workers)
+
+
+def episode_returns(traj: Trajectories, invalid_penalty: float) -> np.ndarray:
+  """float [N]: each episode's summed turn rewards with the invalid-action penalty, as the advantages see them."""
+  turn = traj.reward - invalid_penalty * traj.invalid.astype(np.float32)
+  out = np.zeros(traj.num_episodes, np.float32)
+  np.add.at(out, traj.episode, turn)
+  return out
+
+
+def zero_variance_groups(traj: Trajectories, returns: np.ndarray) -> np.ndarray:
+  """bool [num groups]: all episodes of the group have the same return (GRPO gives them zero advantage)."""
+  groups = int(traj.group.max()) + 1
+  hi = np.full(groups, -np.inf)
+  lo = np.full(groups, np.inf)
+  np.maximum.at(hi, traj.group, returns)
+  np.minimum.at(lo, traj.group, returns)
+  return hi == lo
+
+
+def take_rows(batch: TokenBatch, rows: np.ndarray, num_rows: int, pad_to: int) -> TokenBatch:
+  """`rows` of a host batch in a fresh batch of `num_rows` rows (the rest empty), cut to the rows' longest length
+  rounded up to `pad_to`."""
+  valid = np.asarray(batch.valid)[rows]
+  longest = int(valid.sum(-1).max(initial=1))
+  length = min(batch.length, max(pad_to, -(-longest // pad_to) * pad_to))
+
+  def take(x):
+    x = np.asarray(x)
+    out = np.zeros((num_rows, *x.shape[1:]), x.dtype)
+    out[:len(rows)] = x[rows]
+    return out[:, :length] if x.ndim == 2 else out
+
+  return jax.tree.map(take, batch)
+
+
+def tokenizer_texts(fmt: AgentFormat, env: BatchEnv, tasks: list[Task], rows: int) -> list[str]:
+  """Prompt and answer texts for training a tokenizer from scratch: first observations of some training tasks."""
+  texts = [fmt.system_text(), INVALID_ANSWER]
+  for first in range(0, min(len(tasks), 4 * rows), rows):
+    chunk = tasks[first:first + rows]
+    for task, obs in zip(chunk, env.reset_batch(chunk)):
+      texts.append(user_text(fmt, obs.instruction or task.instruction, 0, [], obs.state, obs.admissible))
+      texts += [format_answer(a) for a in obs.admissible]
+  return texts
+
+
+class RealEnvRL:
+  """The learner: policy state, frozen reference, rollout and evaluation engines, scorers and the jitted step."""
+
+  def __init__(self, cfg: RLConfig, model_cfg: ModelConfig, params, tokenizer: Tokenizer, mesh=None):
+    self.cfg, self.model_cfg, self.tokenizer, self.mesh = cfg, model_cfg, tokenizer, mesh
+    self.objective = Objective(cfg.algorithm, cfg.objective)
+    optimizer = make_optimizer(cfg.optim)
+    self.step = make_train_step(model_cfg, self.objective, optimizer, micro_batches=cfg.micro_batches, mesh=mesh)
+    if cfg.rows_per_step % self.step.row_multiple:
+      raise ValueError(f"RLConfig.rows_per_step ({cfg.rows_per_step}) must be a multiple of micro_batches x "
+                       f"data-parallel size ({self.step.row_multiple})")
+    # A copy: the train step donates the state's buffers, which must not be the reference's.
+    self.ref_params = jax.tree.map(jnp.copy, params) if self.objective.config.kl_coef else None
+    self.state = create_train_state(model_cfg, params, optimizer, mesh)
+    self.engine = RolloutEngine(model_cfg, tokenizer, cfg.agent, cfg.rollout, mesh=mesh)
+    self.eval_engine = RolloutEngine(model_cfg, tokenizer, cfg.agent, greedy_rollout(cfg.rollout), mesh=mesh)
+    # Same model, budget and pad id, and the temperature is a runtime argument: one jitted sampler serves both, so
+    # evaluation batches of B * G rows reuse the rollout's compilation.
+    self.eval_engine.sampler = self.engine.sampler
+    self.sampled_eval_engine = RolloutEngine(model_cfg, tokenizer, cfg.agent,
+                                             dataclasses.replace(cfg.rollout, group_size=1), mesh=mesh)
+    self.sampled_eval_engine.sampler = self.engine.sampler
+    score = dict(temperature=cfg.rollout.temperature, pad_to=cfg.pad_to, mesh=mesh, rules=TRAIN_RULES)
+    self.ref_scorer = LogpScorer(model_cfg, cfg.score_batch, **score) if self.ref_params is not None else None
+    self.value_scorer = LogpScorer(model_cfg, cfg.score_batch, with_values=True, **score) \
+        if cfg.algorithm == "ppo" else None
+    self.root = jax.random.key(cfg.seed)
+    self.real_transitions = 0
+
+  @property
+  def params(self):
+    return self.state.params
+
+  def sampling_params(self):
+    """The policy's parameters laid out as the sampler wants them (sampling may shard differently from training)."""
+    if self.mesh is None:
+      return self.state.params
+    return jax.device_put(self.state.params, self.engine.sampler.param_shardings())
+
+  def build_batch(self, traj: Trajectories) -> tuple[TokenBatch, dict[str, float]]:
+    """The update's batch for a rollout: reference log-probs and critic values scored here, advantages by config."""
+    cfg, times = self.cfg, {}
+    valid = np.arange(traj.tokens.shape[1])[None] < traj.lengths[:, None]
+    ref_logp = values = None
+    if self.ref_scorer is not None:
+      t0 = time.perf_counter()
+      ref_logp, _ = self.ref_scorer(self.ref_params, traj.tokens, None, valid)
+      times["ref_s"] = time.perf_counter() - t0
+    if self.value_scorer is not None:
+      t0 = time.perf_counter()
+      _, values = self.value_scorer(self.state.params, traj.tokens, None, valid)
+      times["values_s"] = time.perf_counter() - t0
+    batch = rl_batch(traj, advantage=cfg.advantage, values=values, ref_logp=ref_logp,
+                     invalid_penalty=cfg.invalid_penalty, gamma=cfg.gamma, lam=cfg.lam,
+                     normalize_std=cfg.normalize_std, whiten_advantages=cfg.whiten_advantages, pad_to=cfg.pad_to)
+    return batch, times
+
+  def update(self, batch: TokenBatch, rows: np.ndarray, iteration: int) -> dict[str, float]:
+    """`epochs` passes over `rows` of `batch` in balanced optimizer steps of `rows_per_step` rows; mean metrics."""
+    cfg = self.cfg
+    key = phase_key(self.root, iteration, PHASE_UPDATE)
+    per_step: list[dict[str, float]] = []
+    for epoch in range(cfg.epochs if len(rows) else 0):
+      order = np.random.default_rng((cfg.seed, PHASE_SHUFFLE, iteration, epoch)).permutation(rows)
+      for part in np.array_split(order, -(-len(order) // cfg.rows_per_step)):
+        mb = take_rows(batch, part, cfg.rows_per_step, cfg.pad_to)
+        self.state, metrics = self.step(self.state, mb, jax.random.fold_in(key, len(per_step)))
+        per_step.append({k: float(v) for k, v in jax.device_get(metrics).items()})
+    if not per_step:
+      return {"update_steps": 0}
+    out = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
+    out.update({f"{k}_first": per_step[0][k] for k in ("loss", "kl", "vf_loss") if k in per_step[0]})
+    out.update(update_steps=len(per_step), loss_last=per_step[-1]["loss"],
+               grad_norm_max=max(m["grad_norm"] for m in per_step))
+    return out
+
+  def iteration(self, env: BatchEnv, pool: list[Task], iteration: int) -> dict[str, Any]:
+    cfg, t_start = self.cfg, time.perf_counter()
+    tasks = draw_tasks(pool, cfg.tasks_per_iteration, iteration, cfg.seed)
+    traj = self.engine.run(self.sampling_params(), env, tasks, phase_key(self.root, iteration, PHASE_ROLLOUT),
+                           iteration)
+    stats = self.engine.stats
+    unparsed = unparsed_rows(traj, self.tokenizer)
+    self.real_transitions += int((~unparsed).sum())
+    batch, times = self.build_batch(traj)
+    returns = episode_returns(traj, cfg.invalid_penalty)
+    flat = zero_variance_groups(traj, returns)
+    keep = np.ones(traj.num_rows, bool)
+    if cfg.drop_zero_variance_groups and cfg.algorithm == "grpo":
+      keep = ~flat[traj.group[traj.episode]]
+    t0 = time.perf_counter()
+    metrics = self.update(batch, np.flatnonzero(keep), iteration)
+    times["update_s"] = time.perf_counter() - t0
+    metrics.update(
+        rollout_success=float(traj.success.mean()), rollout_reward=float(traj.episode_reward.mean()),
+        rollout_return=float(returns.mean()), zero_variance_group_frac=float(flat.mean()),
+        rows=traj.num_rows, rows_updated=int(keep.sum()), mean_turns=float(traj.num_turns.mean()),
+        invalid_rate=float((traj.invalid & ~unparsed).sum() / max(1, (~unparsed).sum())),
+        parse_failure_rate=float(unparsed.mean()), truncated_rate=float(1 - traj.ended.mean()),
+        sampled_tokens=int(stats["sampled_tokens"]), batch_tokens=int(traj.lengths.sum()),
+        real_transitions=self.real_transitions, rollout_s=stats["total_s"], sample_s=stats["sample_s"],
+        env_s=stats["env_s"], iteration_s=time.perf_counter() - t_start, **times)
+    return metrics
+
+  def evaluate(self, env: BatchEnv, tasks: list[Task]) -> dict[str, Any]:
+    """Greedy held-out results; with `eval_sampled`, the sampled ones under "sampled". The keys are the same at every
+    evaluation, so the sampled results differ between evaluations only through the policy."""
+    params, key, size = self.sampling_params(), phase_key(self.root, 0, PHASE_EVAL), self.cfg.eval_batch or self.cfg.rows
+    result = evaluate(self.eval_engine, params, env, tasks, key, batch_size=size)
+    if self.cfg.eval_sampled:
+      result["sampled"] = evaluate(self.sampled_eval_engine, params, env, tasks, jax.random.fold_in(key, 1),
+                                   batch_size=size)
+    return result
+
+
+def _eval_row(iteration: int, real_transitions: int, result: dict[str, Any]) -> dict[str, Any]:
+  """An evaluation without its per-task outcomes (those go to evals.jsonl only)."""
+  row = {"iteration": iteration, "real_transitions": real_transitions,
+         **{k: v for k, v in result.items() if k not in ("outcomes", "sampled")}}
+  if "sampled" in result:
+    row["sampled"] = {k: v for k, v in result["sampled"].items() if k != "outcomes"}
+  return row
+
+
+def run(cfg: RLConfig, env: BatchEnv | None = None) -> dict[str, Any]:
+  """The `dreamjax rl` command: trains, evaluates, writes the run folder; returns the summary. `env` may be any
+  BatchEnv taking `cfg.rows` rows (it is not closed here); by default one is made from the config."""
+  out, log = open_run(cfg.out_dir, cfg)
+  devices = jax.devices()[:cfg.devices] if cfg.devices else None
+  mesh = make_mesh(cfg.mesh, devices)
+  train_pool, eval_pool = cfg.train_tasks.tasks(cfg.env), cfg.eval_tasks.tasks(cfg.env)
+  shared = {t.task_id for t in train_pool} & {t.task_id for t in eval_pool}
+  if shared:
+    raise ValueError(f"RLConfig: train_tasks and eval_tasks share {len(shared)} tasks (e.g. {sorted(shared)[0]!r}); "
+                     f"evaluation must be on held-out tasks")
+  owned = env is None
+  env = make_batch_env(cfg) if owned else env
+  evals: list[dict[str, Any]] = []
+  train_curve: list[tuple[int, int, float]] = []  # (iteration, real transitions, rollout success)
+  start = time.perf_counter()
+  try:
+    folder = Path(cfg.model.checkpoint) if cfg.model.checkpoint else build_tiny_checkpoint(
+        dataclasses.replace(cfg.model, value_head=cfg.model.value_head or cfg.algorithm == "ppo"),
+        tokenizer_texts(cfg.agent, env, train_pool, cfg.rows), out / "init_model", cfg.seed)
+    model_cfg, params, tok = load_model(folder, value_head=cfg.algorithm == "ppo", mesh=mesh, seed=cfg.seed)
+    learner = RealEnvRL(cfg, model_cfg, params, tok, mesh)
+    with open(out / "evals.jsonl", "w", encoding="utf-8") as eval_file:
+
+      def do_eval(iteration: int) -> None:
+        result = learner.evaluate(env, eval_pool)
+        row = _eval_row(iteration, learner.real_transitions, result)
+        evals.append(row)
+        outcomes = {"outcomes": result["outcomes"]}
+        if "sampled" in result:
+          outcomes["sampled_outcomes"] = result["sampled"]["outcomes"]
+        eval_file.write(json.dumps({**row, **outcomes}) + "\n")
+        eval_file.flush()
+        sampled = row.get("sampled")
+        print(f"eval @ iteration {iteration} ({learner.real_transitions} real transitions): greedy success "
+              f"{row['success_rate']:.3f} [{row['ci_low']:.3f}, {row['ci_high']:.3f}]" +
+              (f", sampled {sampled['success_rate']:.3f} [{sampled['ci_low']:.3f}, {sampled['ci_high']:.3f}]"
+               if sampled else "") + f" over {row['episodes']} tasks", flush=True)
+
+      do_eval(0)
+      for it in range(cfg.iterations):
+        metrics = learner.iteration(env, train_pool, it)
+        log.log(it + 1, metrics)
+        train_curve.append((it + 1, metrics["real_transitions"], metrics["rollout_success"]))
+        update = f"loss {metrics['loss']:.4f}" if "loss" in metrics else "no update (no group with unequal returns)"
+        print(f"iteration {it + 1}: {update}, rollout success {metrics['rollout_success']:.3f}, zero-variance groups "
+              f"{metrics['zero_variance_group_frac']:.2f} ({metrics['iteration_s']:.1f} s)", flush=True)
+        if (cfg.eval_every and (it + 1) % cfg.eval_every == 0) or it + 1 == cfg.iterations:
+          do_eval(it + 1)
+    save_model(learner.params, model_cfg, folder, out / "final")
+  finally:
+    if owned:
+      env.close()
+    log.close()
+  summary = {"algorithm": cfg.algorithm, "iterations": cfg.iterations, "real_transitions": learner.real_transitions,
+             "initial": evals[0], "final": evals[-1], "evals": evals, "seconds": time.perf_counter() - start,
+             "checkpoint": str(out / "final")}
+  (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+  plot_learning_curve(evals, out / "learning_curve.svg", train=train_curve,
+                      title=f"{cfg.algorithm.upper()} on {cfg.env}: held-out success (95% CI)")
+  return summary
+
+
+if __name__ == "__main__":  # through the package module, so configs build the same classes this checks against
+  import sys
+
+  from dreamjax.train import rl_real
+  from dreamjax.train.policy_sft import main
+
+  sys.exit(main(config_type=rl_real.RLConfig, runner=rl_real.run))

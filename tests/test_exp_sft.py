@@ -1,0 +1,265 @@
+"""Experience-model SFT (Eq. 5) and fidelity: the data builder, the metrics against exact references, and the CI check
+that a tiny M_exp trained from scratch on real TextWorld-Express coin episodes beats the copy-the-state baseline on
+held-out tasks; then the fidelity script on that model."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dreamjax.data.collect import CollectConfig, collect
+from dreamjax.data.records import Transition, read_trajectories, transitions
+from dreamjax.experience.fidelity import Predictor, region_logps, score, teacher_forced, token_f1
+from dreamjax.experience.format import ExpFormatConfig, ExpPrediction, build_prompt, transition_target
+from dreamjax.experience.sft_data import (
+    NEXT_STATE,
+    OUTCOME,
+    REASONING,
+    ExampleBuilder,
+    annotations_for,
+    build_examples,
+    build_sft_data,
+    corpus,
+    split_by_task,
+)
+from dreamjax.models import Transformer, tiny
+from dreamjax.replay.encoder import BackbonePooledEncoder
+from dreamjax.replay.retriever import Retriever
+from dreamjax.rl.logprobs import LogpScorer
+from dreamjax.train.exp_sft import ExpSftConfig, load_named_config, run
+from dreamjax.train.run import ModelSource, build_tiny_checkpoint, load_model, read_metrics
+from experiments import exp_model_quality
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = f"{ROOT / 'configs' / 'train_exp_twx.py'}:tiny"
+COIN = "numLocations=2,includeDoors=0,numDistractorItems=0"
+FMT = ExpFormatConfig(k=2, max_history=2)
+
+
+@pytest.fixture(scope="module")
+def coin_path(tmp_path_factory) -> Path:
+  """Real coin episodes (two rooms, so states stay short): 150 tasks, the expert on each, eps0.5 on 100, random on 50
+  (the collection the tiny config's docstring describes; about 15 s)."""
+  pytest.importorskip("textworld_express")
+  out = tmp_path_factory.mktemp("coin")
+  collect(CollectConfig(env_kwargs=("step_limit=8",), games=("coin",), game_params=COIN,
+                        policies=("expert:150", "random:50", "eps0.5:100"), num_workers=0, rows_per_worker=8,
+                        out_dir=str(out), progress=False, build_tfds=False))
+  return out / "trajectories.jsonl"
+
+
+@pytest.fixture(scope="module")
+def small_model(coin_path, tmp_path_factory):
+  """(records, tokenizer folder + random tiny model) built like a tiny run's, for the data-builder checks."""
+  records = read_trajectories(coin_path)
+  folder = tmp_path_factory.mktemp("small_model")
+  source = ModelSource(tiny=tiny("qwen2", vocab_size=1024, max_position_embeddings=2048))
+  build_tiny_checkpoint(source, corpus(records, annotations_for(records), FMT), folder, seed=0)
+  return records, folder
+
+
+# --- data ------------------------------------------------------------------------------------------------------------
+
+
+def test_split_keeps_tasks_whole_and_is_deterministic(coin_path):
+  records = read_trajectories(coin_path)
+  train, held = split_by_task(records, 0.25, seed=0)
+  tasks_train, tasks_held = {r.task.task_id for r in train}, {r.task.task_id for r in held}
+  assert not tasks_train & tasks_held and len(tasks_held) == round(0.25 * len(tasks_train | tasks_held))
+  assert sorted(r.episode_id for r in train + held) == sorted(r.episode_id for r in records)
+  assert split_by_task(records[::-1], 0.25, seed=0)[1] == held[::-1]  # by task hash, not by position
+  assert {r.task.task_id for r in split_by_task(records, 0.25, seed=1)[1]} != tasks_held
+  assert split_by_task(records, 0.0)[1] == [] and len(split_by_task(records[:1], 0.5)[1]) == 0
+  with pytest.raises(ValueError, match="held_out_fraction"):
+    split_by_task(records, 1.0)
+
+
+def test_examples_retrieve_no_own_episode_and_mask_exactly_the_target(small_model):
+  records, folder = small_model
+  records = records[::3]  # 100 episodes of every policy
+  _, _, tok = load_model(folder)
+  retriever = Retriever(BackbonePooledEncoder.from_folder(folder))
+  builder = ExampleBuilder(tok, FMT, 4096)
+  data = build_sft_data(records, builder, retriever, held_out_fraction=0.25, seed=0)
+  train_episodes = {r.episode_id for r in data.train_records}
+  assert len(data.train) + len(data.held_out) == sum(r.num_steps for r in records)  # nothing dropped at 4096
+  assert len(retriever) == sum(r.num_steps for r in data.train_records)
+  assert any(d.task == ex.transition.task for ex in data.train for d in ex.retrieved)  # other episodes of a task
+  other_tasks = build_examples(builder, data.train_records, data.annotations, retriever, {}, exclude="task")
+  assert all(len(ex.retrieved) == FMT.k and all(d.task != ex.transition.task for d in ex.retrieved)
+             for ex in other_tasks)
+  eot = tok.decode([tok.chat_format.end_of_turn])
+  for i, ex in enumerate(data.train + data.held_out):
+    t = ex.transition
+    assert len(ex.retrieved) == FMT.k
+    assert all(d.episode_id != t.episode_id and d.episode_id in train_episodes for d in ex.retrieved)
+    if i % 4:
+      continue  # the token-level checks below on every fourth example
+    reason = data.annotations[t.episode_id].reasons[t.step]
+    target = transition_target(FMT, t, reason)
+    history = t.history[len(t.history) - ex.shown_history:]
+    prompt = build_prompt(tok, FMT, t.instruction, history, ex.retrieved, t.state, t.action, step=t.step).prompt()
+    assert np.array_equal(ex.prompt, prompt) and ex.shown_history == min(t.step, FMT.max_history)
+    assert tok.decode(ex.ids[ex.loss_mask == 1]) == target + eot
+    assert np.array_equal(ex.regions > 0, ex.loss_mask == 1)
+    assert tok.decode(ex.ids[ex.regions == REASONING]) == f"<think>\n{reason}\n</think>\n"
+    assert tok.decode(ex.ids[ex.regions == NEXT_STATE]) == f"<next_state>\n{t.next_state}\n</next_state>\n"
+    assert tok.decode(ex.ids[ex.regions == OUTCOME]).startswith("<invalid>")
+  assert {e.transition.episode_id for e in data.held_out} == {r.episode_id for r in data.held_out_records}
+
+
+def test_fitting_trims_history_then_retrieval_then_drops(small_model):
+  records, folder = small_model
+  _, _, tok = load_model(folder)
+  notes = annotations_for(records)
+  later = [r for r in records if r.num_steps >= 3][:3]
+  retrieved = [list(transitions(records[-1:]))[0]] * 2
+  full = ExampleBuilder(tok, FMT, 4096)
+  t = list(transitions(later))[2]
+  ex = full.fit(t, retrieved, notes[t.episode_id].reasons[2])
+  assert ex.shown_history == 2 and len(ex.retrieved) == 2
+  stats: dict[str, int] = {}
+  cut = ExampleBuilder(tok, FMT, len(ex.ids) - 1).fit(t, retrieved, notes[t.episode_id].reasons[2], stats=stats)
+  assert cut.shown_history == 1 and len(cut.retrieved) == 2 and stats == {"trimmed_history": 1}
+  stats = {}
+  bare = ExampleBuilder(tok, FMT, 4096).fit(dataclasses.replace(t, history=()), [], notes[t.episode_id].reasons[2])
+  tight = ExampleBuilder(tok, FMT, len(bare.ids)).fit(t, retrieved, notes[t.episode_id].reasons[2], stats=stats)
+  assert (tight.shown_history, len(tight.retrieved)) == (0, 0) and np.array_equal(tight.ids, bare.ids)
+  assert stats == {"trimmed_history": 1, "trimmed_retrieval": 1}
+  stats = {}
+  assert build_examples(ExampleBuilder(tok, FMT, 64), later, notes, None, stats) == []
+  assert stats == {"dropped_too_long": sum(r.num_steps for r in later), "examples": 0}
+
+
+def test_ablation_switches_shape_the_examples(small_model):
+  records, folder = small_model
+  _, _, tok = load_model(folder)
+  notes = annotations_for(records)
+  t = next(t for t in transitions(records) if t.step >= 1)
+  retrieved = list(transitions(records[-1:]))[:1]
+  for fmt, absent in [(dataclasses.replace(FMT, reasoning=False), "<think>"),
+                      (dataclasses.replace(FMT, history=False), "# History"),
+                      (dataclasses.replace(FMT, retrieval=False), "# Similar past transitions")]:
+    ex = ExampleBuilder(tok, fmt, 4096).fit(t, retrieved, notes[t.episode_id].reasons[t.step])
+    assert absent not in tok.decode(ex.ids)
+    assert (ex.regions == REASONING).any() == fmt.reasoning
+  with pytest.raises(ValueError, match="has no annotation"):
+    annotations_for(records, {})
+
+
+# --- metrics ---------------------------------------------------------------------------------------------------------
+
+
+def _t(state: str, next_state: str, reward=0.0, done=False, success=False, invalid=False) -> Transition:
+  return Transition("e", 0, None, "", (), state, "a", next_state, reward, done, success, invalid)
+
+
+def test_score_matches_hand_computed_metrics():
+  truths = [_t("s", "s"), _t("s", "x y z", 1.0, True, True), _t("s", "a b", invalid=True), _t("s", "q", 0.0, True)]
+  preds = [ExpPrediction("s", 0.0, False, False, "", True, "", False),
+           ExpPrediction("x y", 1.0, True, True, "", True, "", False),
+           ExpPrediction("a b", 0.0, False, False, "", True, "", True),
+           ExpPrediction.failure("missing <think>")]
+  m = score(truths, preds)
+  assert m["n"] == 4 and m["exact_match"] == 0.5 and m["exact_count"] == 2 and m["parse_failure"] == 0.25
+  assert m["token_f1"] == pytest.approx((1 + 0.8 + 1 + 0) / 4, abs=1e-12)
+  assert (m["reward_acc"], m["reward_precision"], m["reward_recall"]) == (1.0, 1.0, 1.0)
+  assert (m["done_acc"], m["done_precision"], m["done_recall"]) == (1.0, 1.0, 1.0)  # failures end the episode
+  assert (m["invalid_acc"], m["invalid_precision"], m["invalid_recall"]) == (1.0, 1.0, 1.0)
+  assert (m["eps_R_mean"], m["eps_R_max"]) == (0.0, 0.0)
+  m = score(truths[1:2], [ExpPrediction("x y z", 0.0, False, False, "", True, "", False)])
+  assert m["reward_precision"] is None and m["reward_recall"] == 0.0 and m["eps_R_max"] == 1.0
+  assert token_f1("a a b", "a b b") == pytest.approx(2 / 3) and token_f1("", "") == 1.0 and token_f1("a", "") == 0.0
+
+
+def test_region_logps_and_tv_bound_match_a_direct_forward(small_model):
+  records, folder = small_model
+  cfg, params, tok = load_model(folder)
+  notes = annotations_for(records)
+  builder = ExampleBuilder(tok, FMT, 4096)
+  examples = build_examples(builder, records[:2], notes, None, {})[:3]
+  sums, counts = region_logps(LogpScorer(cfg, 2), params, examples)
+  for i, ex in enumerate(examples):
+    ids = ex.ids[None]
+    logits = Transformer(cfg).apply({"params": params}, ids, np.arange(len(ex.ids))[None], np.ones_like(ids, bool))
+    logits = np.asarray(logits.logits[0], np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    token_logp = np.r_[0.0, logp[np.arange(len(ex.ids) - 1), ex.ids[1:]]]
+    for r in (REASONING, NEXT_STATE, OUTCOME):
+      assert counts[i, r] == (ex.regions == r).sum() > 0
+      np.testing.assert_allclose(sums[i, r], token_logp[ex.regions == r].sum(), rtol=1e-5, atol=1e-4)
+  tf = teacher_forced(LogpScorer(cfg, 2), params, examples)
+  tv = 1 - np.exp(sums[:, REASONING] + sums[:, NEXT_STATE])
+  assert tf["eps_P_tf_mean"] == pytest.approx(tv.mean()) and tf["nll"] == pytest.approx(-sums.sum() / counts.sum())
+
+
+def test_predictor_output_does_not_depend_on_batch_neighbours(small_model):
+  records, folder = small_model
+  cfg, params, tok = load_model(folder)
+  builder = ExampleBuilder(tok, FMT, 1024)
+  examples = build_examples(builder, records[:6], annotations_for(records), None, {})
+  predictor = Predictor(cfg, params, tok, builder, max_new_tokens=8, batch_size=4)
+  alone = predictor.generate([examples[0].prompt])
+  mixed = predictor.generate([e.prompt for e in examples[:6]])
+  assert alone[0] == mixed[0] and len(mixed) == 6 and predictor.sampler.compilations() <= 3
+
+
+# --- training and the CI check ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(coin_path, tmp_path_factory) -> tuple[ExpSftConfig, dict]:
+  cfg = load_named_config(TINY, [f"trajectories={coin_path}", f"out_dir={tmp_path_factory.mktemp('exp_sft')}"])
+  return cfg, run(cfg)
+
+
+def test_tiny_exp_model_beats_the_copy_baseline_on_held_out_tasks(trained):
+  cfg, summary = trained
+  model, copy = summary["held_out_fidelity"]["model"], summary["held_out_fidelity"]["copy"]
+  print(f"held-out one-step exact match: model {model['exact_match']:.3f} ({model['exact_count']}/{model['n']}), "
+        f"copy {copy['exact_match']:.3f} ({copy['exact_count']}/{copy['n']})")
+  assert model["n"] == copy["n"] > 40
+  assert model["exact_count"] > copy["exact_count"] and model["exact_match"] >= copy["exact_match"] + 0.1
+  metrics = read_metrics(Path(cfg.out_dir) / "metrics.jsonl")
+  losses = [m["loss"] for m in metrics if "loss" in m]
+  assert losses[-1] < 0.2 * losses[0]
+  checkpoint = Path(summary["checkpoint"])
+  meta = json.loads((checkpoint / "exp_model.json").read_text())
+  assert meta["format"] == dataclasses.asdict(cfg.format) and meta["max_len"] == cfg.max_len
+  assert (checkpoint / "tokenizer.json").is_file() and summary["compilations"] == 1
+
+
+def test_fidelity_script_scores_a_checkpoint_and_prints_its_table(trained, coin_path, tmp_path, capsys):
+  cfg, summary = trained
+  out = tmp_path / "quality"
+  args = ["--config", TINY, "--set", f"trajectories={coin_path}", "--tv-samples", "1", "--open-loop-steps", "3",
+          "--out", str(out)]
+  assert exp_model_quality.main(args + ["--checkpoints", f"full={summary['checkpoint']}"]) == 2
+  assert "trained with reasoning=False, so it is not variant 'full'" in capsys.readouterr().err
+  rc = exp_model_quality.main(args + ["--checkpoints", f"no_reasoning={summary['checkpoint']}"])
+  printed = capsys.readouterr().out
+  assert rc == 0 and "| no_reasoning |" in printed and "| copy baseline |" in printed
+  assert (out / "table.md").read_text().strip() in printed
+  result = json.loads((out / "results.json").read_text())["no_reasoning"]
+  one, loop = result["one_step"], result["open_loop"]
+  assert one["exact_match"] == summary["held_out_fidelity"]["model"]["exact_match"]
+  assert 0.0 <= one["eps_P_sampled_mean"] <= one["eps_P_sampled_max"] <= 1.0
+  assert 0.0 <= one["eps_P_tf_mean"] <= one["eps_P_tf_max"] <= 1.0
+  # At horizon 1 the open-loop prompt is the one-step prompt of each episode's first transition.
+  rows = [json.loads(line) for line in (out / "no_reasoning_predictions.jsonl").read_text().splitlines()]
+  first = [r["exact"] for r in rows if r["step"] == 0]
+  assert loop["exact_by_step"][0] == pytest.approx(np.mean(first)) and result["horizon"] == 3
+  copy_first = [r["true_next_state"] == r["state"] for r in rows if r["step"] == 0]
+  assert result["open_loop_copy"]["exact_by_step"][0] == pytest.approx(np.mean(copy_first))
+
+
+def test_config_variants_load_and_bad_settings_are_refused():
+  assert load_named_config(TINY, []).format.k == 1
+  assert load_named_config(TINY.rsplit(":", 1)[0], ["batch_size=64"]).batch_size == 64
+  with pytest.raises(ValueError, match="defines no nope"):
+    load_named_config(TINY.rsplit(":", 1)[0] + ":nope", [])
+  with pytest.raises(ValueError, match="retrieval_encoder"):
+    ExpSftConfig(retrieval_encoder="bert")
