@@ -51,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--algorithms", default="grpo,ppo")
   p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                  help="override a field of both RL configs (e.g. optim.lr=3e-4)")
+  p.add_argument("--game-params", default=COIN, help="TWX coin game settings for demos, training and evaluation")
   p.add_argument("--seed", type=int, default=0)
   return p.parse_args(argv)
 
@@ -60,7 +61,7 @@ def warm_start(args: argparse.Namespace, out: Path, env, rl: rl_real.RLConfig) -
   runs' agent format and rollout settings, so its rows and its evaluation are laid out as theirs."""
   data = out / "data"
   collect(CollectConfig(env="textworld_express", env_kwargs=rl.env_kwargs, games=("coin",), split="train",
-                        game_params=COIN, policies=(f"expert:{args.demos}",), num_workers=0,
+                        game_params=args.game_params, policies=(f"expert:{args.demos}",), num_workers=0,
                         rows_per_worker=len(env.envs), out_dir=str(data), seed=args.seed, build_tfds=False,
                         progress=False), batch=env)
   sft_dir = out / "sft"
@@ -71,7 +72,8 @@ def warm_start(args: argparse.Namespace, out: Path, env, rl: rl_real.RLConfig) -
         rollout=rl.rollout, max_steps=args.sft_steps,
         optim=dataclasses.replace(base.optim, warmup_steps=min(base.optim.warmup_steps, args.sft_steps // 4),
                                   total_steps=args.sft_steps),
-        eval=EvalConfig(games=("coin",), split="dev", num_tasks=args.eval_tasks, game_params=COIN, every_steps=0,
+        eval=EvalConfig(games=("coin",), split="dev", num_tasks=args.eval_tasks, game_params=args.game_params,
+                        every_steps=0,
                         num_envs=len(env.envs)),
         out_dir=str(sft_dir), seed=args.seed)
     policy_sft.run(cfg, env)
@@ -82,7 +84,8 @@ def rl_config(algorithm: str, args: argparse.Namespace, checkpoint: Path, out: P
   cfg = load_run_config(str(ROOT / "configs" / f"{algorithm}_real_twx.py:tiny"), args.set)
   return dataclasses.replace(
       cfg, model=ModelSource(checkpoint=str(checkpoint)), iterations=args.iterations, eval_every=args.eval_every,
-      eval_tasks=TaskSpec(games=("coin",), split="dev", start=0, count=args.eval_tasks, game_params=COIN),
+      train_tasks=dataclasses.replace(cfg.train_tasks, game_params=args.game_params),
+      eval_tasks=TaskSpec(games=("coin",), split="dev", start=0, count=args.eval_tasks, game_params=args.game_params),
       out_dir=str(out / algorithm), seed=args.seed)
 
 
@@ -106,7 +109,7 @@ def paired(out: Path, algorithm: str, key: str) -> tuple[int, int]:
 
 def report(out: Path, sft: dict[str, Any], runs: dict[str, dict[str, Any]], argv: list[str]) -> str:
   start = next(iter(runs.values()))["initial"]
-  lines = ["# Real-env RL on TextWorld-Express (two-room coin games)", "",
+  lines = ["# Real-env RL on TextWorld-Express coin games", "",
            f"Command: `python experiments/learning_twx.py {' '.join(argv)}`".rstrip(), "",
            f"Warm start: {sft['steps']} SFT steps on {sft['rows']['rows']} expert turns (loss {sft['first_loss']:.3f} "
            f"-> {sft['final_loss']:.3f}). Held-out success on the same {start['episodes']} dev-fold tasks "
