@@ -24,7 +24,7 @@ grpo_real_twx = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(grpo_real_twx)
 
 
-def _ppo(base: RLConfig, lr: float, out_dir: str) -> RLConfig:
+def _ppo(base: RLConfig, lr: float, out_dir: str, value_lr_multiplier: float = 10.0) -> RLConfig:
   return dataclasses.replace(
       base,
       algorithm="ppo",
@@ -34,7 +34,8 @@ def _ppo(base: RLConfig, lr: float, out_dir: str) -> RLConfig:
       gamma=0.95,  # per turn: shorter successes are worth more
       lam=0.95,
       whiten_advantages=True,
-      optim=OptimConfig(lr=lr, warmup_steps=base.optim.warmup_steps, clip_norm=1.0, value_head_lr_multiplier=10.0),
+      optim=OptimConfig(lr=lr, warmup_steps=base.optim.warmup_steps, clip_norm=1.0,
+                        value_head_lr_multiplier=value_lr_multiplier),
       epochs=2,
       out_dir=out_dir,
   )
@@ -45,4 +46,4 @@ def config() -> RLConfig:
 
 
 def tiny() -> RLConfig:
-  return _ppo(grpo_real_twx.tiny(), 1e-4, "runs/rl_real/ppo_coin_tiny")
+  return _ppo(grpo_real_twx.tiny(), 1e-3, "runs/rl_real/ppo_coin_tiny", value_lr_multiplier=3.0)
