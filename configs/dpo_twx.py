@@ -18,7 +18,7 @@ Run:   dreamjax dpo --config configs/dpo_twx.py
 Real:  train the SFT checkpoint from a real model (see configs/train_policy_twx.py), then the same command.
 Tiny (CPU, 7 minutes on a loaded 2-core machine): the tiny SFT run's data and checkpoint (see configs/train_policy_twx.py; its 4-step limit
 makes most random runs fail), then
-       python -m dreamjax.train.dpo --config configs/dpo_twx.py:tiny
+       dreamjax dpo --config configs/dpo_twx.py:tiny
 """
 
 from dreamjax.rl.optim import OptimConfig

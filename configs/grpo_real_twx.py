@@ -8,7 +8,7 @@ SFT:   dreamjax train-policy --config configs/train_policy_twx.py            (ru
 Run:   dreamjax rl --config configs/grpo_real_twx.py
 Real:  the same after an SFT run from a real checkpoint; with a mesh, e.g. --set mesh.fsdp=8 --set micro_batches=4
 Tiny (CPU, about 10 minutes): the tiny SFT warm start (see configs/train_policy_twx.py), then
-       python -m dreamjax.train.rl_real --config configs/grpo_real_twx.py:tiny
+       dreamjax rl --config configs/grpo_real_twx.py:tiny
 experiments/learning_twx.py runs the tiny variants of this and configs/ppo_real_twx.py end to end and tabulates them.
 """
 

@@ -7,7 +7,7 @@ epochs of clipped updates per iteration, no KL term; held-out success (with a 95
 SFT:   dreamjax train-policy --config configs/train_policy_twx.py            (runs/policy_sft/twx/checkpoint)
 Run:   dreamjax rl --config configs/ppo_real_twx.py
 Tiny (CPU, about 10 minutes): the tiny SFT warm start (see configs/train_policy_twx.py), then
-       python -m dreamjax.train.rl_real --config configs/ppo_real_twx.py:tiny
+       dreamjax rl --config configs/ppo_real_twx.py:tiny
 """
 
 import dataclasses

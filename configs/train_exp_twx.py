@@ -1,7 +1,7 @@
 """The experience model M_exp on TextWorld-Express offline trajectories (Eq. 5 SFT), full scale and a tiny CPU variant.
 
 Run (accelerator; an HF Llama/Qwen instruct folder, trajectories from configs/collect_twx.py):
-       python -m dreamjax.train.exp_sft --config configs/train_exp_twx.py \
+       dreamjax train-exp --config configs/train_exp_twx.py \
          --set model.checkpoint=/path/to/Llama-3.2-3B-Instruct
 Ablations: add --set format.reasoning=false (or format.history=false, format.retrieval=false) and another out_dir;
 experiments/exp_model_quality.py trains and scores all of them.
@@ -11,7 +11,7 @@ Tiny (CPU, a few minutes): collect a small coin dataset, then train a tiny model
          --set game_params=numLocations=2,includeDoors=0,numDistractorItems=0 \
          --set policies=expert:150,random:50,eps0.5:100 --set env_kwargs=step_limit=8 \
          --set num_workers=0 --set rows_per_worker=8 --set build_tfds=false --set out_dir=runs/collect/twx_coin_tiny
-       python -m dreamjax.train.exp_sft --config configs/train_exp_twx.py:tiny
+       dreamjax train-exp --config configs/train_exp_twx.py:tiny
 """
 
 import dataclasses

@@ -12,7 +12,7 @@ collections, its failures inadmissible move directions); collect its data first 
          --set "game_params=numLocations=2, includeDoors=0" --set env_kwargs=step_limit=4 \
          --set policies=expert:96,random:64,eps0.5:32 --set num_workers=0 --set rows_per_worker=8 \
          --set out_dir=runs/collect/coin_tiny
-       python -m dreamjax.train.policy_sft --config configs/train_policy_twx.py:tiny
+       dreamjax train-policy --config configs/train_policy_twx.py:tiny
 The output folder's `checkpoint/` is the warm start for `dreamjax rl` (model.checkpoint) and for DPO
 (configs/dpo_twx.py); `summary.json` holds the held-out success with its 95% interval.
 """

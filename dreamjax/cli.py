@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import typing
 
 from dreamjax.config import load_config
 
@@ -36,8 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"dreamjax {args.command}: {e}", file=sys.stderr)
     return 2
   module, function = COMMANDS[args.command][1].split(":")
+  runner = getattr(importlib.import_module(module), function)
+  expected = next(iter(typing.get_type_hints(runner).values()), None)  # the runner's config class
+  if isinstance(expected, type) and not isinstance(cfg, expected):
+    print(f"dreamjax {args.command}: {args.config} gives a {type(cfg).__name__}; this command runs a "
+          f"{expected.__name__}", file=sys.stderr)
+    return 2
   try:
-    getattr(importlib.import_module(module), function)(cfg)
+    runner(cfg)
   except ValueError as e:  # bad settings or a malformed input file: the message names the field, file or line
     print(f"dreamjax {args.command}: {e}", file=sys.stderr)
     return 2

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dreamjax.config import load_config
 from dreamjax.experience.fidelity import MIN_BUCKET, Predictor, one_step, open_loop
 from dreamjax.experience.format import ExpFormatConfig
 from dreamjax.experience.sft_data import ExampleBuilder, annotations_for, build_examples, split_by_task
@@ -34,7 +35,6 @@ from dreamjax.train.exp_sft import (
     META_FILE,
     ExpSftConfig,
     load_annotation_files,
-    load_named_config,
     load_records,
     make_retriever,
     mesh_of,
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--out", default="runs/exp_model_quality")
   args = p.parse_args(argv)
   try:
-    base = load_named_config(args.config, args.set)
+    base = load_config(args.config, args.set)
     given = dict(item.split("=", 1) for item in args.checkpoints.split(",") if item.strip())
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
     unknown = [n for n in names + list(given) if n not in VARIANTS]

@@ -40,7 +40,8 @@ from dreamjax.data.collect import CollectConfig, collect, parse_env_kwargs  # no
 from dreamjax.envs.base import SerialBatchEnv  # noqa: E402
 from dreamjax.envs.textworld_express import TextWorldExpressEnv  # noqa: E402
 from dreamjax.train import policy_sft, rl_real  # noqa: E402
-from dreamjax.train.policy_sft import EvalConfig, load_run_config  # noqa: E402
+from dreamjax.config import load_config  # noqa: E402
+from dreamjax.train.policy_sft import EvalConfig  # noqa: E402
 from dreamjax.train.rl_real import TaskSpec  # noqa: E402
 from dreamjax.train.run import ModelSource  # noqa: E402
 
@@ -73,7 +74,7 @@ def warm_start(args: argparse.Namespace, out: Path, env, rl: rl_real.RLConfig) -
                         progress=False), batch=env)
   sft_dir = out / "sft"
   if not (sft_dir / "summary.json").is_file():
-    base = load_run_config(str(ROOT / "configs" / "train_policy_twx.py:tiny"))
+    base = load_config(str(ROOT / "configs" / "train_policy_twx.py:tiny"))
     cfg = dataclasses.replace(
         base, data=(str(data / "trajectories.jsonl"),), env_kwargs=rl.env_kwargs, agent=rl.agent,
         rollout=rl.rollout, max_steps=args.sft_steps,
@@ -88,7 +89,7 @@ def warm_start(args: argparse.Namespace, out: Path, env, rl: rl_real.RLConfig) -
 
 
 def rl_config(algorithm: str, args: argparse.Namespace, checkpoint: Path, out: Path) -> rl_real.RLConfig:
-  cfg = load_run_config(str(ROOT / "configs" / f"{algorithm}_real_twx.py:tiny"), args.set)
+  cfg = load_config(str(ROOT / "configs" / f"{algorithm}_real_twx.py:tiny"), args.set)
   return dataclasses.replace(
       cfg, model=ModelSource(checkpoint=str(checkpoint)), iterations=args.iterations, eval_every=args.eval_every,
       train_tasks=dataclasses.replace(cfg.train_tasks, game_params=args.game_params),

@@ -28,7 +28,8 @@ from dreamjax.models import Transformer, tiny
 from dreamjax.replay.encoder import BackbonePooledEncoder
 from dreamjax.replay.retriever import Retriever
 from dreamjax.rl.logprobs import LogpScorer
-from dreamjax.train.exp_sft import ExpSftConfig, load_named_config, run
+from dreamjax.config import load_config
+from dreamjax.train.exp_sft import ExpSftConfig, run
 from dreamjax.train.run import ModelSource, build_tiny_checkpoint, load_model, read_metrics
 from experiments import exp_model_quality
 
@@ -212,7 +213,7 @@ def test_predictor_output_does_not_depend_on_batch_neighbours(small_model):
 
 @pytest.fixture(scope="module")
 def trained(coin_path, tmp_path_factory) -> tuple[ExpSftConfig, dict]:
-  cfg = load_named_config(TINY, [f"trajectories={coin_path}", f"out_dir={tmp_path_factory.mktemp('exp_sft')}"])
+  cfg = load_config(TINY, [f"trajectories={coin_path}", f"out_dir={tmp_path_factory.mktemp('exp_sft')}"])
   return cfg, run(cfg)
 
 
@@ -257,9 +258,9 @@ def test_fidelity_script_scores_a_checkpoint_and_prints_its_table(trained, coin_
 
 
 def test_config_variants_load_and_bad_settings_are_refused():
-  assert load_named_config(TINY, []).format.k == 1
-  assert load_named_config(TINY.rsplit(":", 1)[0], ["batch_size=64"]).batch_size == 64
+  assert load_config(TINY, []).format.k == 1
+  assert load_config(TINY.rsplit(":", 1)[0], ["batch_size=64"]).batch_size == 64
   with pytest.raises(ValueError, match="defines no nope"):
-    load_named_config(TINY.rsplit(":", 1)[0] + ":nope", [])
+    load_config(TINY.rsplit(":", 1)[0] + ":nope", [])
   with pytest.raises(ValueError, match="retrieval_encoder"):
     ExpSftConfig(retrieval_encoder="bert")

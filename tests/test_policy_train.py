@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dreamjax.cli import main as cli_main
+from dreamjax.config import load_config
 from dreamjax.data.collect import CollectConfig, collect
 from dreamjax.data.records import StepRecord, TrajectoryRecord, read_trajectories
 from dreamjax.envs.base import Task
@@ -232,11 +234,11 @@ def test_configs_load_and_bad_settings_are_clear_errors(tmp_path):
   for spec, kind in [("configs/train_policy_twx.py", policy_sft.PolicySftConfig),
                      ("configs/train_policy_twx.py:tiny", policy_sft.PolicySftConfig),
                      ("configs/dpo_twx.py", dpo.DpoConfig), ("configs/dpo_twx.py:tiny", dpo.DpoConfig)]:
-    assert isinstance(policy_sft.load_run_config(spec), kind)
-  cfg = policy_sft.load_run_config("configs/train_policy_twx.py:tiny", ["eval.num_tasks=3", "rows.think=none"])
+    assert isinstance(load_config(spec), kind)
+  cfg = load_config("configs/train_policy_twx.py:tiny", ["eval.num_tasks=3", "rows.think=none"])
   assert cfg.eval.num_tasks == 3 and cfg.rows.think == "none"
   with pytest.raises(ValueError, match="defines no small\\(\\) function"):
-    policy_sft.load_run_config("configs/train_policy_twx.py:small")
+    load_config("configs/train_policy_twx.py:small")
   with pytest.raises(ValueError, match="PolicySftConfig.batch_size must be >= 1"):
     dataclasses.replace(cfg, batch_size=0)
   with pytest.raises(ValueError, match="RowConfig.think must be one of"):
@@ -245,4 +247,5 @@ def test_configs_load_and_bad_settings_are_clear_errors(tmp_path):
     policy_sft.run(dataclasses.replace(cfg, data=(str(tmp_path / "missing.jsonl"),), out_dir=str(tmp_path / "o")))
   with pytest.raises(ValueError, match="checkpoint: .* is not an HF checkpoint folder"):
     dpo.run(dpo.DpoConfig(checkpoint=str(tmp_path), out_dir=str(tmp_path / "d")))
-  assert policy_sft.main(["--config", "configs/train_policy_twx.py:tiny", "--set", "batch_size=0"]) == 2
+  assert cli_main(["train-policy", "--config", "configs/train_policy_twx.py:tiny", "--set", "batch_size=0"]) == 2
+  assert cli_main(["train-policy", "--config", "configs/dpo_twx.py:tiny"]) == 2  # a DpoConfig

@@ -267,7 +267,7 @@ def test_dropping_zero_variance_groups_updates_only_the_others(warm_start, learn
   # The iteration's own draw and key, rolled out by hand to know which groups are flat.
   traj = other.engine.run(other.params, twx, draw_tasks(pool, 2, 0, cfg.seed), phase_key(other.root, 0, PHASE_ROLLOUT))
   flat = zero_variance_groups(traj, episode_returns(traj, cfg.invalid_penalty))
-  metrics = other.iteration(twx, pool, 0)
+  metrics, _ = other.iteration(twx, draw_tasks(pool, 2, 0, cfg.seed), 0)
   assert metrics["rows"] == traj.num_rows
   assert metrics["rows_updated"] == int((~flat[traj.group[traj.episode]]).sum())
   assert metrics["zero_variance_group_frac"] == flat.mean()

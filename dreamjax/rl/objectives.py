@@ -83,7 +83,7 @@ class SftConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DpoConfig:
+class DpoLossConfig:
   beta: float = 0.1
   label_smoothing: float = 0.0
   sft_coef: float = 0.0  # adds the chosen trajectories' per-token NLL (RPO), averaged over pairs
@@ -140,7 +140,7 @@ def _pair_sums(batch: TokenBatch, row_values: Float[Array, " B"]):
   return seg(row_values, chosen), seg(row_values, rejected), complete
 
 
-def dpo_objective(params, batch: TokenBatch, rng: jax.Array, cfg: DpoConfig, *,
+def dpo_objective(params, batch: TokenBatch, rng: jax.Array, cfg: DpoLossConfig, *,
                   model_cfg: ModelConfig) -> tuple[Float[Array, ""], Metrics]:
   """DPO on trajectory log-probs: token log-probs summed over the loss tokens of every row of a trajectory."""
   del rng
@@ -160,11 +160,11 @@ def dpo_objective(params, batch: TokenBatch, rng: jax.Array, cfg: DpoConfig, *,
   return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
-ObjectiveConfig = PolicyGradientConfig | SftConfig | DpoConfig
+ObjectiveConfig = PolicyGradientConfig | SftConfig | DpoLossConfig
 _LOSS_FNS: dict[type, Callable[..., tuple[Array, Metrics]]] = {
     PolicyGradientConfig: policy_gradient_objective,
     SftConfig: sft_objective,
-    DpoConfig: dpo_objective,
+    DpoLossConfig: dpo_objective,
 }
 
 
@@ -180,7 +180,7 @@ class Objective:
 
   def normalizer(self, batch: TokenBatch) -> Float[Array, ""]:
     """What the loss averages over on this batch; the update weighs micro-batches by it."""
-    if isinstance(self.config, DpoConfig):
+    if isinstance(self.config, DpoLossConfig):
       return jnp.sum(_pair_sums(batch, jnp.zeros(batch.tokens.shape[:1]))[2].astype(jnp.float32))
     tokens = jnp.sum(batch.loss_mask, axis=-1)
     if self.config.agg.replace("-", "_") == "token_mean":
@@ -189,7 +189,7 @@ class Objective:
 
   def metric_normalizer(self, batch: TokenBatch) -> Float[Array, ""]:
     """What the other metrics average over (the losses' metrics are means over loss tokens; DPO's over pairs)."""
-    if isinstance(self.config, DpoConfig):
+    if isinstance(self.config, DpoLossConfig):
       return self.normalizer(batch)
     return jnp.sum(batch.loss_mask)
 
@@ -204,7 +204,7 @@ OBJECTIVES: dict[str, Objective] = {
     "ppo": Objective("ppo", PolicyGradientConfig(vf_coef=0.5, vf_clip=0.5)),
     "grpo": Objective("grpo", PolicyGradientConfig(kl_coef=0.02, kl_kind="low_var_kl")),
     "sft": Objective("sft", SftConfig()),
-    "dpo": Objective("dpo", DpoConfig()),
+    "dpo": Objective("dpo", DpoLossConfig()),
 }
 
 

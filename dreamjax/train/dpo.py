@@ -16,7 +16,7 @@ Fixed shapes: every batch is padded to the same row count (the largest batch of 
 micro-batch fits, see `_rows_per_micro`) and the same length (`pad_to`, or the longest row rounded up to 64), so the
 step compiles once. Pairs are shuffled per epoch by `(seed, epoch)`.
 
-Run: `python -m dreamjax.train.dpo --config configs/dpo_twx.py [--set key=value ...]`.
+Run: `dreamjax dpo --config configs/dpo_twx.py[:variant] [--set key=value ...]`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,7 +48,6 @@ from dreamjax.train.policy_sft import (
     check_loop_settings,
     evaluate_and_log,
     format_eval,
-    main,
     mesh_of,
     read_records,
     training_tasks,
@@ -226,9 +224,3 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines += format_eval(e["result"], prefix=f"step {e['step']} ")
   lines.append(f"checkpoint: {summary['checkpoint']}")
   return "\n".join(lines)
-
-
-if __name__ == "__main__":  # through the package module, so configs build the same classes this checks against
-  from dreamjax.train import dpo
-
-  sys.exit(main(config_type=dpo.DpoConfig, runner=dpo.run))

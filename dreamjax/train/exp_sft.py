@@ -20,17 +20,14 @@ against the copy baseline). At the end the model is saved as an HF folder (with 
 which records the format, max_len, decode budget and retrieval encoder the model was trained with) and the final
 held-out fidelity goes into summary.json.
 
-Run: python -m dreamjax.train.exp_sft --config configs/train_exp_twx.py[:variant] [--set key=value ...]
+Run: dreamjax train-exp --config configs/train_exp_twx.py[:variant] [--set key=value ...]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import importlib.util
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +35,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from dreamjax.config import apply_override
 from dreamjax.data.records import TrajectoryRecord, read_trajectories
 from dreamjax.experience.annotate import Annotation, read_annotations
 from dreamjax.experience.fidelity import MIN_BUCKET, Predictor, one_step, prompt_buckets, teacher_forced
@@ -260,48 +256,12 @@ def run(cfg: ExpSftConfig) -> dict[str, Any]:
   }
   (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
   log.close()
+  if final:
+    print(f"held-out one-step exact match {final['model']['exact_match']:.3f} (copy baseline "
+          f"{final['copy']['exact_match']:.3f}) over {final['model']['n']} transitions")
+  print(f"checkpoint: {checkpoint}; summary: {out / 'summary.json'}", flush=True)
   return summary
 
 
 _SHOWN = {"loss", "grad_norm", "learning_rate", "tokens_per_s", "held_out_nll", "held_out_nll_next_state",
           "held_out_exact_match", "held_out_copy_exact_match", "held_out_parse_failure"}
-
-
-def load_named_config(spec: str, overrides: list[str]) -> ExpSftConfig:
-  """`path.py` (its config()) or `path.py:name` (its name()), with `key=value` overrides applied."""
-  path, _, name = spec.partition(":")
-  if not Path(path).is_file():
-    raise ValueError(f"config file {path} does not exist")
-  module_spec = importlib.util.spec_from_file_location(f"dreamjax_config_{Path(path).stem}", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  fn = getattr(module, name or "config", None)
-  if not callable(fn):
-    raise ValueError(f"{path}: defines no {name or 'config'}() function")
-  cfg = fn()
-  for item in overrides:
-    cfg = apply_override(cfg, item, source=path)
-  return cfg
-
-
-def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m dreamjax.train.exp_sft", description=__doc__.splitlines()[0])
-  parser.add_argument("--config", required=True, help="configs/<file>.py or configs/<file>.py:<variant>")
-  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-  args = parser.parse_args(argv)
-  try:
-    cfg = load_named_config(args.config, args.set)
-    summary = run(cfg)
-  except ValueError as e:
-    print(f"exp_sft: {e}", file=sys.stderr)
-    return 2
-  fid = summary["held_out_fidelity"]
-  if fid:
-    print(f"held-out one-step exact match {fid['model']['exact_match']:.3f} (copy baseline "
-          f"{fid['copy']['exact_match']:.3f}) over {fid['model']['n']} transitions")
-  print(f"checkpoint: {summary['checkpoint']}; summary: {Path(cfg.out_dir) / 'summary.json'}")
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

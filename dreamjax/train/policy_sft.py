@@ -18,17 +18,14 @@ the env's own held-out fold (`eval.split`), so none of them is in the demonstrat
 
 A tiny model is built in out_dir/init_model on the first run and reused by reruns in the same folder.
 
-Run: `dreamjax train-policy --config configs/train_policy_twx.py [--set key=value ...]`, or
-`python -m dreamjax.train.policy_sft --config configs/train_policy_twx.py[:variant] [--set key=value ...]`.
+Run: `dreamjax train-policy --config configs/train_policy_twx.py[:variant] [--set key=value ...]`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,7 +35,6 @@ import jax
 import numpy as np
 
 from dreamjax.data.collect import env_tasks, parse_env_kwargs
-from dreamjax.config import apply_override
 from dreamjax.data.records import TrajectoryRecord, read_trajectories
 from dreamjax.envs.base import BatchEnv, SerialBatchEnv, Task
 from dreamjax.envs.registry import make_env
@@ -306,46 +302,3 @@ def format_summary(summary: dict[str, Any]) -> str:
   lines += format_eval(summary["eval"])
   lines.append(f"checkpoint: {summary['checkpoint']}")
   return "\n".join(lines)
-
-
-def load_run_config(spec: str, overrides: Sequence[str] = ()) -> Any:
-  """`configs/<file>.py` (its config()) or `configs/<file>.py:<variant>` (its <variant>()), then `overrides`."""
-  path, _, name = spec.partition(":")
-  if not Path(path).is_file():
-    raise ValueError(f"config file {path} does not exist")
-  module_spec = importlib.util.spec_from_file_location(f"dreamjax_config_{Path(path).stem}", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  fn = getattr(module, name or "config", None)
-  if not callable(fn):
-    raise ValueError(f"{path}: defines no {name or 'config'}() function")
-  cfg = fn()
-  for item in overrides:
-    cfg = apply_override(cfg, item, source=path)
-  return cfg
-
-
-def main(argv: list[str] | None = None, config_type: type = PolicySftConfig, runner=run) -> int:
-  """`--config FILE[:variant] [--set key=value ...]`: loads the config and runs it; 2 on bad settings."""
-  import argparse
-
-  name = runner.__module__.rsplit(".", 1)[-1]
-  parser = argparse.ArgumentParser(prog=f"python -m {runner.__module__}")
-  parser.add_argument("--config", required=True, help="configs/<file>.py or configs/<file>.py:<variant>")
-  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
-  args = parser.parse_args(argv)
-  try:
-    cfg = load_run_config(args.config, args.set)
-    if not isinstance(cfg, config_type):
-      raise ValueError(f"{args.config}: returned a {type(cfg).__name__}, expected a {config_type.__name__}")
-    runner(cfg)
-  except ValueError as e:
-    print(f"{name}: {e}", file=sys.stderr)
-    return 2
-  return 0
-
-
-if __name__ == "__main__":  # through the package module, so configs build the same classes this checks against
-  from dreamjax.train import policy_sft
-
-  sys.exit(policy_sft.main())

@@ -294,9 +294,9 @@ class RealEnvRL:
                grad_norm_max=max(m["grad_norm"] for m in per_step))
     return out
 
-  def iteration(self, env: BatchEnv, pool: list[Task], iteration: int) -> dict[str, Any]:
+  def iteration(self, env: BatchEnv, tasks: list[Task], iteration: int) -> tuple[dict[str, Any], Trajectories]:
+    """Rolls out G episodes of each task against `env` (real or synthetic), updates; (metrics, the rollout)."""
     cfg, t_start = self.cfg, time.perf_counter()
-    tasks = draw_tasks(pool, cfg.tasks_per_iteration, iteration, cfg.seed)
     traj = self.engine.run(self.sampling_params(), env, tasks, phase_key(self.root, iteration, PHASE_ROLLOUT),
                            iteration)
     stats = self.engine.stats
@@ -320,7 +320,7 @@ class RealEnvRL:
         sampled_tokens=int(stats["sampled_tokens"]), batch_tokens=int(traj.lengths.sum()),
         real_transitions=self.real_transitions, rollout_s=stats["total_s"], sample_s=stats["sample_s"],
         env_s=stats["env_s"], iteration_s=time.perf_counter() - t_start, **times)
-    return metrics
+    return metrics, traj
 
   def evaluate(self, env: BatchEnv, tasks: list[Task]) -> dict[str, Any]:
     """Greedy held-out results; with `eval_sampled`, the sampled ones under "sampled". The keys are the same at every
@@ -383,7 +383,7 @@ def run(cfg: RLConfig, env: BatchEnv | None = None) -> dict[str, Any]:
 
       do_eval(0)
       for it in range(cfg.iterations):
-        metrics = learner.iteration(env, train_pool, it)
+        metrics, _ = learner.iteration(env, draw_tasks(train_pool, cfg.tasks_per_iteration, it, cfg.seed), it)
         log.log(it + 1, metrics)
         train_curve.append((it + 1, metrics["real_transitions"], metrics["rollout_success"]))
         update = f"loss {metrics['loss']:.4f}" if "loss" in metrics else "no update (no group with unequal returns)"
@@ -403,12 +403,3 @@ def run(cfg: RLConfig, env: BatchEnv | None = None) -> dict[str, Any]:
   plot_learning_curve(evals, out / "learning_curve.svg", train=train_curve,
                       title=f"{cfg.algorithm.upper()} on {cfg.env}: held-out success (95% CI)")
   return summary
-
-
-if __name__ == "__main__":  # through the package module, so configs build the same classes this checks against
-  import sys
-
-  from dreamjax.train import rl_real
-  from dreamjax.train.policy_sft import main
-
-  sys.exit(main(config_type=rl_real.RLConfig, runner=rl_real.run))
