@@ -20,6 +20,8 @@ COMMANDS = {
                      "dreamjax.train.policy_sft:run"),
     "dpo": ("DPO on successful vs failed trajectories of the same tasks (baseline)", "dreamjax.train.dpo:run"),
     "rl": ("PPO or GRPO against a real environment, with periodic held-out evaluation", "dreamjax.train.rl_real:run"),
+    "dreamgym": ("PPO or GRPO inside the experience model (curriculum, replay write-back), evaluated on the real env",
+                 "dreamjax.train.dreamgym:run"),
 }
 
 

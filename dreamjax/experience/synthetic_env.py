@@ -139,7 +139,8 @@ class SyntheticEnv:
     self._system = SegmentBuilder(tokenizer).append(Kind.SYSTEM, system_prompt(fmt))
     self._generation = len(tokenizer.chat_format.generation_prompt)
     self._rows: list[_Row] = []
-    self._batches = 0  # reset_batch calls so far: the default batch key folds this in
+    # reset_batch calls so far: the default batch key folds this in (a resumed loop sets it to where it was)
+    self.batches = 0
     self._batch_key = key
     self._call = 0  # step_batch calls in the current batch
     self._sp = None
@@ -188,8 +189,8 @@ class SyntheticEnv:
                            f"prompt, beyond the largest prompt bucket {self.prompt_buckets[-1]}")
     if key is not None and not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
       key = jax.random.wrap_key_data(key)
-    self._batch_key = jax.random.fold_in(self.key, self._batches) if key is None else key
-    self._batches += 1
+    self._batch_key = jax.random.fold_in(self.key, self.batches) if key is None else key
+    self.batches += 1
     self._call = 0
     self._rows = rows
     self.last_prompts = [None] * len(rows)

@@ -144,10 +144,12 @@ def _panel(x0: float, x_label: str, xs: list[float], series: Sequence[tuple[str,
 
 
 def plot_learning_curve(evals: Sequence[dict[str, Any]], path: str | Path, *,
-                        train: Sequence[tuple[int, int, float]] = (), title: str = "") -> Path:
-  """An SVG of held-out success (with its 95% interval) against iteration and against real transitions; `evals` rows
-  hold iteration, real_transitions, success_rate, ci_low, ci_high (greedy) and optionally "sampled" with the same
-  rates; `train` rows are (iteration, real transitions, rollout success), drawn dashed."""
+                        train: Sequence[tuple[int, int, float]] = (), title: str = "",
+                        transitions: str = "real_transitions") -> Path:
+  """An SVG of held-out success (with its 95% interval) against iteration and against training transitions; `evals`
+  rows hold iteration, `transitions` (real_transitions, or synthetic_transitions for DreamGym), success_rate, ci_low,
+  ci_high (greedy) and optionally "sampled" with the same rates; `train` rows are (iteration, transitions, rollout
+  success), drawn dashed."""
   evals = list(evals)
   series = [("#2060c0", evals)]
   legend = ['<text x="60" y="292" fill="#2060c0">held-out, greedy (bars: 95% Wilson interval)</text>']
@@ -157,7 +159,7 @@ def plot_learning_curve(evals: Sequence[dict[str, Any]], path: str | Path, *,
   legend.append('<text x="500" y="292" fill="#e08020">training rollouts (sampled)</text>')
   parts = [f'<text x="400" y="20" text-anchor="middle" font-size="14">{title}</text>',
            *_panel(0, "iteration", [e["iteration"] for e in evals], series, [(i, s) for i, _, s in train]),
-           *_panel(400, "real transitions (training)", [e["real_transitions"] for e in evals], series,
+           *_panel(400, f"{transitions.replace('_', ' ')} (training)", [e[transitions] for e in evals], series,
                    [(r, s) for _, r, s in train]), *legend]
   svg = ('<svg xmlns="http://www.w3.org/2000/svg" width="800" height="300" font-family="sans-serif" font-size="11">'
          '<rect width="800" height="300" fill="white"/>' + "".join(parts) + "</svg>\n")

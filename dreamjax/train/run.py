@@ -32,6 +32,8 @@ def to_json(value: Any) -> Any:
     return {str(k): to_json(v) for k, v in value.items()}
   if isinstance(value, list | tuple):
     return [to_json(v) for v in value]
+  if isinstance(value, set | frozenset):
+    return sorted(to_json(v) for v in value)
   if isinstance(value, np.generic | jax.Array | np.ndarray):
     return np.asarray(value).tolist()
   return value

@@ -1,0 +1,158 @@
+"""The DreamGym loop end to end on a tiny scale: real TextWorld-Express data, an M_exp and a policy trained here.
+
+Offline data comes from the real env (`dreamjax.data.collect`); the experience model is trained on it by
+`dreamjax.train.exp_sft` (a few steps: these tests check the loop's bookkeeping, not the model's fidelity, which
+tests/test_exp_sft.py covers); the policy warm start is behaviour-cloned for a few steps. Then short DreamGym runs
+(2 iterations, 2 tasks x 4 rollouts) take the whole path: curriculum draw, rollouts against SyntheticEnv, update,
+replay write-back, curriculum update, M_task generation, and evaluation on the real env.
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from dreamjax.config import load_config
+from dreamjax.curriculum.pool import TaskPool
+from dreamjax.data.collect import CollectConfig, collect
+from dreamjax.data.records import read_trajectories
+from dreamjax.envs.base import SerialBatchEnv
+from dreamjax.envs.textworld_express import INVALID_FEEDBACK, TextWorldExpressEnv
+from dreamjax.models import init_params, load_hf_checkpoint, save_hf_checkpoint, tiny
+from dreamjax.replay.buffer import ReplayBuffer
+from dreamjax.rl.batch import sft_batch
+from dreamjax.rl.objectives import PolicyGradientConfig, make_objective
+from dreamjax.rl.optim import OptimConfig, make_optimizer
+from dreamjax.rl.train_state import create_train_state
+from dreamjax.rl.update import make_train_step
+from dreamjax.rollout.agent import AgentFormat
+from dreamjax.rollout.engine import RolloutConfig
+from dreamjax.text import train_bpe_tokenizer
+from dreamjax.train.dreamgym import CurriculumConfig, DreamGymConfig, run
+from dreamjax.train.exp_sft import run as train_exp
+from dreamjax.train.policy_data import RowConfig, policy_texts, sft_rows
+from dreamjax.train.rl_real import RLConfig, TaskSpec
+from dreamjax.train.run import ModelSource, read_metrics
+
+pytest.importorskip("textworld_express")
+
+COIN = "numLocations=2, includeDoors=0, numDistractorItems=0"
+FMT = AgentFormat(think=False, history_turns=2, history_token_budget=200)
+ROLLOUT = RolloutConfig(group_size=4, max_turns=3, max_action_tokens=12, max_episode_tokens=36, prompt_buckets=(384,),
+                        temperature=1.0)
+ROWS = 2 * ROLLOUT.group_size
+
+
+@pytest.fixture(scope="module")
+def twx():
+  env = SerialBatchEnv([TextWorldExpressEnv(step_limit=4) for _ in range(ROWS)])
+  yield env
+  env.close()
+
+
+@pytest.fixture(scope="module")
+def parts(twx, tmp_path_factory):
+  """(offline data path, M_exp checkpoint, policy warm start)."""
+  root = tmp_path_factory.mktemp("dreamgym")
+  collect(CollectConfig(games=("coin",), split="train", game_params=COIN, policies=("expert:12", "random:4"),
+                        num_workers=0, rows_per_worker=ROWS, env_kwargs=("step_limit=4",), out_dir=str(root / "data"),
+                        build_tfds=False, progress=False), batch=twx)
+  data = root / "data" / "trajectories.jsonl"
+  records = read_trajectories(data)
+  exp = load_config("configs/train_exp_twx.py:tiny", [f"trajectories={data}", f"out_dir={root / 'exp'}", "steps=12",
+                                                      "eval_every=0", "held_out_fraction=0", "max_len=512"])
+  exp_summary = train_exp(exp)
+  tok = train_bpe_tokenizer(policy_texts(records, FMT) * 2 + [INVALID_FEEDBACK], root / "tok", vocab_size=500)
+  model_cfg = tiny("qwen2", vocab_size=tok.vocab_size, num_layers=1, max_position_embeddings=512,
+                   eos_token_id=tok.eos_ids[0])
+  rows, _ = sft_rows([r for r in records if r.policy == "expert"], tok, FMT, RowConfig(), ROLLOUT)
+  batch = sft_batch([r.ids for r in rows], [r.loss_mask for r in rows], pad_to=64)
+  optimizer = make_optimizer(OptimConfig(lr=3e-3))
+  step = make_train_step(model_cfg, make_objective("sft"), optimizer)
+  state = create_train_state(model_cfg, init_params(model_cfg, jax.random.key(0)), optimizer)
+  for i in range(25):
+    state, _ = step(state, batch, jax.random.key(i))
+  save_hf_checkpoint(jax.device_get(state.params), model_cfg, root / "policy", tokenizer_folder=root / "tok")
+  return data, Path(exp_summary["checkpoint"]), root / "policy"
+
+
+def _config(parts, out: Path, **kw) -> DreamGymConfig:
+  data, exp, policy = parts
+  rl = dict(model=ModelSource(checkpoint=str(policy)), objective=PolicyGradientConfig(kl_coef=0.05),
+            env_kwargs=("step_limit=4",), eval_tasks=TaskSpec(games=("coin",), split="dev", count=4, game_params=COIN),
+            agent=FMT, rollout=ROLLOUT, tasks_per_iteration=2, optim=OptimConfig(lr=1e-3), rows_per_step=24,
+            pad_to=128, score_batch=8, iterations=2, eval_every=1, devices=1)
+  rl = RLConfig(**(rl | kw.pop("rl", {})))
+  base = dict(rl=rl, exp_model=str(exp), offline_data=(str(data),), reasoning=False, exp_max_new_tokens=48,
+              curriculum=CurriculumConfig(capacity=64, generate_every=1, seeds_per_round=2, variants_per_seed=2,
+                                          max_new_tokens=24, lam=0.5, min_variance=-1.0),
+              out_dir=str(out))
+  return DreamGymConfig(**(base | kw))
+
+
+def test_grpo_in_the_experience_model_keeps_its_books(parts, twx, tmp_path):
+  cfg = _config(parts, tmp_path / "run")
+  summary = run(cfg)
+  out = Path(cfg.out_dir)
+  metrics = [m for m in read_metrics(out / "metrics.jsonl") if "rollout_success" in m]
+  assert [m["step"] for m in metrics] == [1, 2]
+  # Synthetic transitions: every answer that parsed went to M_exp; none went to the real env in training.
+  assert summary["real_transitions"] == 0 and all(e["real_transitions"] == 0 for e in summary["evals"])
+  assert summary["synthetic_transitions"] == metrics[-1]["synthetic_transitions"] > 0
+  assert [e["iteration"] for e in summary["evals"]] == [0, 1, 2]
+  # Write-back: the buffer holds the offline seed plus exactly the synthetic transitions, tagged with the iteration.
+  offline = sum(r.num_steps for r in read_trajectories(cfg.offline_data[0]))
+  with ReplayBuffer(out / "replay", read_only=True) as buffer:
+    items = list(buffer.iter_from(0))
+  synthetic = [t for t in items if t.source == "synthetic"]
+  assert len(items) - len(synthetic) == offline and len(synthetic) == summary["synthetic_transitions"]
+  assert sorted({t.policy_version for t in synthetic}) == [0, 1]
+  assert summary["replay_size"] == len(items) == metrics[-1]["replay_size"]
+  # Curriculum: every drawn task got statistics; M_task's candidates are all accounted for.
+  pool = TaskPool.load(out / "task_pool.json")
+  state = jax.device_get(pool.state)
+  assert int(np.asarray(state.iteration)) == 2
+  assert int(np.asarray(state.times_sampled).sum()) == 2 * cfg.rl.tasks_per_iteration
+  counts = summary["generation"]
+  assert all("generation_candidates" in m for m in metrics)  # M_task ran on the drawn tasks every iteration
+  assert sum(v for k, v in counts.items()) == sum(m.get("generation_candidates", 0) for m in metrics)
+  assert counts.get("accepted", 0) >= sum(m.get("generated", 0) for m in metrics)
+  assert len(pool) == len({r.task.task_id for r in read_trajectories(cfg.offline_data[0])}) + metrics[-1][
+      "pool_generated"]
+  # The update changed the policy.
+  _, before = load_hf_checkpoint(cfg.rl.model.checkpoint)
+  _, after = load_hf_checkpoint(summary["checkpoint"])
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+  assert (out / "learning_curve.svg").is_file() and json.loads((out / "summary.json").read_text())["iterations"] == 2
+
+
+def test_ablations_ppo_without_replay_or_curriculum(parts, tmp_path):
+  cfg = _config(parts, tmp_path / "ablation", replay=False,
+                curriculum=CurriculumConfig(enabled=False, capacity=64, clusters=2),
+                rl=dict(algorithm="ppo", advantage="gae_turn", objective=PolicyGradientConfig(vf_coef=0.5)))
+  summary = run(cfg)
+  out = Path(cfg.out_dir)
+  with ReplayBuffer(out / "replay", read_only=True) as buffer:
+    assert len(buffer) == 0  # no seed (M_exp retrieves nothing) and nothing written back
+  metrics = [m for m in read_metrics(out / "metrics.jsonl") if "rollout_success" in m]
+  assert all(m["pool_generated"] == 0 and "generated" not in m for m in metrics)
+  assert summary["generation"] == {} and summary["synthetic_transitions"] > 0
+  assert all("vf_loss" in m for m in metrics if m["update_steps"])
+
+
+def test_bad_settings_are_clear_errors(parts, tmp_path):
+  with pytest.raises(ValueError, match="records format.reasoning=False"):
+    run(_config(parts, tmp_path / "a", reasoning=True))
+  with pytest.raises(ValueError, match="has no exp_model.json"):
+    run(_config(parts, tmp_path / "b", exp_model=str(tmp_path)))
+  base = _config(parts, tmp_path / "c")
+  leaked = TaskSpec(games=("coin",), split="train", count=4, game_params=COIN)  # the offline data's tasks
+  with pytest.raises(ValueError, match="held-out evaluation tasks"):
+    run(dataclasses.replace(base, rl=dataclasses.replace(base.rl, eval_tasks=leaked)))
+  with pytest.raises(ValueError, match="lambda"):
+    CurriculumConfig(lam=1.5)
+  cfg = load_config("configs/dreamgym_twx.py:tiny", ["curriculum.lam=0.5", "rl.iterations=3"])
+  assert cfg.curriculum.lam == 0.5 and cfg.rl.iterations == 3 and not cfg.reasoning
