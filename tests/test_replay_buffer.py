@@ -73,6 +73,28 @@ def test_round_trip_ids_segments_and_stats(tmp_path, monkeypatch, small_io):
     assert buf.append(items[:2]) == range(11, 13) and buf.get([12]) == [items[1]]
 
 
+@pytest.mark.parametrize("n", [9, 8, 5, 0])
+def test_truncate_rewinds_to_a_position_and_appends_go_on_from_it(tmp_path, n):
+  items = [_t(i, ("offline", "synthetic")[i % 2]) for i in range(11)]
+  with ReplayBuffer(tmp_path / "b", records_per_segment=4) as buf:
+    buf.append(items)
+    assert buf.truncate(n) == 11 - n and len(buf) == n and buf.truncate(n) == 0
+    assert buf.append(items[n:][::-1]) == range(n, 11)  # the redone iterations write other episodes
+  expected = items[:n] + items[n:][::-1]
+  assert _segment_lines(tmp_path / "b") == [dumps(t.to_json()).encode() for t in expected]
+  with ReplayBuffer(tmp_path / "b", read_only=True) as again:
+    assert list(again.iter_from(0)) == expected and again.verify() == 11
+    assert again.stats().by_source == {"offline": 6, "synthetic": 5, "real_online": 0}
+  with ReplayBuffer(tmp_path / "b") as buf:
+    buf.seed([_record(0, 2)], tag="offline")
+    with pytest.raises(ValueError, match="would cut seed 'offline'"):
+      buf.truncate(12)
+    with pytest.raises(IndexError, match="cannot truncate to 20"):
+      buf.truncate(20)
+  with ReplayBuffer(tmp_path / "b", read_only=True) as reader, pytest.raises(PermissionError):
+    reader.truncate(1)
+
+
 def test_cache_returns_the_same_transitions_and_stays_bounded(tmp_path):
   items = [_t(i) for i in range(20)]
   with ReplayBuffer(tmp_path / "b", records_per_segment=8, cache_size=5) as buf:

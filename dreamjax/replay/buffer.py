@@ -459,6 +459,49 @@ class ReplayBuffer:
       self._broken = True
       raise
 
+  def truncate(self, n: int) -> int:
+    """Writer only: drops transitions n.. (a resumed run rewinds the buffer to its checkpoint's position, so the
+    iterations it redoes do not write their episodes twice). The new manifest commits first; the bytes past it are
+    then cut as any uncommitted tail would be. Seeds must lie wholly before `n`. Returns how many were dropped."""
+    if self.read_only or self._broken or self._lock_fd < 0:
+      raise PermissionError(f"{self.folder}: only an open writer truncates")
+    if not 0 <= n <= self._total:
+      raise IndexError(f"{self.folder}: cannot truncate to {n} (the buffer holds {self._total} transitions)")
+    cut = [tag for tag, (first, count) in self._manifest["seeds"].items() if first + count > n]
+    if cut:
+      raise ValueError(f"{self.folder}: truncating to {n} would cut seed {cut[0]!r}")
+    dropped = self._total - n
+    if not dropped:
+      return 0
+    counts = dict(self._manifest["by_source"])
+    for t in self.iter_from(n):
+      counts[t.source] -= 1
+    cap = self.records_per_segment
+    keep = -(-n // cap)
+    if self._wfd >= 0:
+      os.close(self._wfd)
+      self._wfd = -1
+    for seg in self._segments[keep:]:
+      if seg.fd >= 0:
+        os.close(seg.fd)
+    del self._segments[keep:]
+    if self._segments:
+      last = self._segments[-1]
+      last.records = n - (keep - 1) * cap
+      last.nbytes = last.offsets[last.records]
+      del last.offsets[last.records + 1:]
+    m = {**self._manifest, "total": n, "by_source": counts,
+         "segments": [{"records": s.records, "bytes": s.nbytes} for s in self._segments]}
+    self._replace_manifest(m)
+    self._manifest, self._total = m, n
+    if self.fsync:
+      _fsync_dir(self.folder)
+    self._cache.clear()
+    with warnings.catch_warnings():  # the cut tail is expected here, not debris of a crash
+      warnings.simplefilter("ignore", UncommittedDataWarning)
+      self._drop_uncommitted()
+    return dropped
+
   # Reading.
 
   def __len__(self) -> int:
