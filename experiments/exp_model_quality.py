@@ -6,7 +6,7 @@ exp_sft, whose exp_model.json gives the format), then scored on the held-out tas
 `dreamjax.experience.fidelity`: teacher-forced one step (exact match, token F1, reward/success/done/invalid accuracy
 with precision and recall, parse failures, eps_R, the sampled and teacher-forced eps_P estimates, NLL by region) and
 open loop along the recorded actions (exact match overall, by horizon, whole episodes), each beside the copy-the-state
-baseline. Writes table.md, results.json and plot.png (when matplotlib is installed) to --out and prints the table.
+baseline. Writes table.md, results.json and plot.svg to --out and prints the table.
 
 Run (tiny, CPU; collect the small coin dataset first, see configs/train_exp_twx.py):
        python experiments/exp_model_quality.py --config configs/train_exp_twx.py:tiny --train \
@@ -127,40 +127,46 @@ def table(results: dict[str, dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
-def plot(results: dict[str, dict[str, Any]], path: Path) -> bool:
-  """One-step metrics as grouped bars and open-loop exact match by horizon; False when matplotlib is missing."""
-  try:
-    import matplotlib
+COLORS = ("#2060c0", "#e08020", "#20a040", "#c03030", "#8040c0", "#606060")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    return False
+
+def plot(results: dict[str, dict[str, Any]], path: Path) -> Path:
+  """An SVG (no plotting package): one-step metrics as grouped bars, open-loop exact match by horizon as lines."""
   first = next(iter(results.values()))
   models = {name: r["one_step"] for name, r in results.items()} | {"copy baseline": first["one_step_copy"]}
+  loops = {name: r["open_loop"] for name, r in results.items()} | {"copy baseline": first["open_loop_copy"]}
   keys = [("exact_match", "EM"), ("token_f1", "F1"), ("reward_acc", "reward acc"), ("done_acc", "done acc"),
           ("parse_failure", "parse fail")]
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-  width = 0.8 / len(models)
-  for i, (name, m) in enumerate(models.items()):
-    ax1.bar([j + i * width for j in range(len(keys))], [m.get(k) or 0.0 for k, _ in keys], width, label=name)
-  ax1.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))], [h for _, h in keys])
-  ax1.set_ylim(0, 1)
-  ax1.set_title("one step, teacher-forced (held-out tasks)")
-  ax1.legend(fontsize=8)
-  loops = {name: r["open_loop"] for name, r in results.items()} | {"copy baseline": first["open_loop_copy"]}
-  for name, m in loops.items():
-    curve = m["exact_by_step"]
-    ax2.plot(range(1, len(curve) + 1), curve, marker="o", label=name)
-  ax2.set_xlabel("steps since the real first state")
-  ax2.set_ylabel("next-state exact match")
-  ax2.set_ylim(0, 1)
-  ax2.set_title("open loop along recorded actions")
-  ax2.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return True
+  top, ph = 40, 220
+  py = lambda y: top + ph * (1 - y)  # noqa: E731
+  parts = ['<rect width="960" height="340" fill="white"/>',
+           '<text x="220" y="20" text-anchor="middle" font-size="13">one step, teacher-forced (held-out tasks)</text>',
+           '<text x="720" y="20" text-anchor="middle" font-size="13">open loop along recorded actions: EM by step</text>']
+  for x0, x1 in ((40, 440), (540, 940)):
+    for y in (0, 0.5, 1):
+      parts.append(f'<line x1="{x0}" x2="{x1}" y1="{py(y)}" y2="{py(y)}" stroke="#ddd"/>'
+                   f'<text x="{x0 - 4}" y="{py(y) + 4}" text-anchor="end">{y:g}</text>')
+  group = 400 / len(keys)
+  width = (group - 10) / len(models)
+  for j, (_, label) in enumerate(keys):
+    parts.append(f'<text x="{40 + group * (j + 0.5):.1f}" y="{top + ph + 16}" text-anchor="middle">{label}</text>')
+    for i, m in enumerate(models.values()):
+      v = m.get(keys[j][0]) or 0.0
+      parts.append(f'<rect x="{45 + group * j + width * i:.1f}" y="{py(v):.1f}" width="{width - 1:.1f}" '
+                   f'height="{ph * v:.1f}" fill="{COLORS[i % len(COLORS)]}"/>')
+  horizon = max(len(m["exact_by_step"]) for m in loops.values())
+  px = lambda h: 540 + 400 * (h - 1) / max(1, horizon - 1)  # noqa: E731
+  for i, m in enumerate(loops.values()):
+    pts = " ".join(f"{px(h + 1):.1f},{py(v):.1f}" for h, v in enumerate(m["exact_by_step"]) if v is not None)
+    parts.append(f'<polyline points="{pts}" fill="none" stroke="{COLORS[i % len(COLORS)]}" stroke-width="2"/>')
+  parts.append(f'<text x="740" y="{top + ph + 16}" text-anchor="middle">steps since the real first state '
+               f'(1..{horizon})</text>')
+  for i, name in enumerate(models):
+    parts.append(f'<rect x="{40 + 150 * i}" y="310" width="10" height="10" fill="{COLORS[i % len(COLORS)]}"/>'
+                 f'<text x="{54 + 150 * i}" y="319">{name}</text>')
+  path.write_text('<svg xmlns="http://www.w3.org/2000/svg" width="960" height="340" font-family="sans-serif" '
+                  'font-size="11">' + "".join(parts) + "</svg>\n")
+  return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,8 +215,7 @@ def main(argv: list[str] | None = None) -> int:
   for name, r in results.items():
     (out / f"{name}_predictions.jsonl").write_text("".join(json.dumps(row) + "\n" for row in r["rows"]))
   print(text)
-  print(f"plot: {out / 'plot.png'}" if plot(results, out / "plot.png") else
-        "plot skipped: matplotlib is not installed (pip install matplotlib)")
+  print(f"plot: {plot(results, out / 'plot.svg')}")
   print(f"table: {out / 'table.md'}; results: {out / 'results.json'}")
   return 0
 

@@ -244,6 +244,7 @@ def test_fidelity_script_scores_a_checkpoint_and_prints_its_table(trained, coin_
   printed = capsys.readouterr().out
   assert rc == 0 and "| no_reasoning |" in printed and "| copy baseline |" in printed
   assert (out / "table.md").read_text().strip() in printed
+  assert (out / "plot.svg").read_text().startswith("<svg") and "copy baseline" in (out / "plot.svg").read_text()
   result = json.loads((out / "results.json").read_text())["no_reasoning"]
   one, loop = result["one_step"], result["open_loop"]
   assert one["exact_match"] == summary["held_out_fidelity"]["model"]["exact_match"]
