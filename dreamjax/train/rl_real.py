@@ -29,13 +29,27 @@ seeded with (seed, phase, ...). On CPU a rerun with the same seed logs identical
 in "_s").
 
 Outputs in `out_dir`: config.json, metrics.jsonl (one row per iteration), evals.jsonl (each evaluation with per-task
-outcomes), summary.json, learning_curve.svg, and the final policy as an HF checkpoint folder `final/`.
+outcomes), summary.json, learning_curve.svg (held-out success against iterations and real transitions), metrics.svg
+(training curves), checkpoints/ (the last `keep_checkpoints`), and the final policy as an HF checkpoint folder `final/`.
+With `track.wandb` "online" or "offline" the same metrics go to Weights & Biases (offline: under `out_dir/wandb`).
+
+Checkpoints and resume. Every `checkpoint_every` iterations (and after the last) `run` saves, with orbax
+(`dreamjax.train.checkpoint`), the TrainState (parameters, optimizer state, step), the frozen reference, the root
+key, and as JSON the iteration, the real transitions consumed, the evaluations so far and the tracker's run id.
+Rerunning the same command with the same `out_dir` resumes from the latest committed checkpoint: rows logged after
+it (a run killed between a log line and its checkpoint) are dropped from metrics.jsonl and evals.jsonl, and since
+every draw depends only on (seed, iteration, phase), the resumed run ends with the same parameters, bit for bit, and
+the same files, timings aside, as a run that was never interrupted. W&B continues the same run id.
+
+  dreamjax rl --config configs/grpo_real_twx.py:tiny                                   # killed? rerun it to resume
+  dreamjax rl --config configs/grpo_real_twx.py:tiny --set track.wandb=offline --set checkpoint_every=5
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -59,8 +73,10 @@ from dreamjax.rollout.agent import INVALID_ANSWER, AgentFormat, format_answer, u
 from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
 from dreamjax.rollout.trajectory import Trajectories
 from dreamjax.text import Tokenizer
+from dreamjax.track import Tracker, TrackConfig, echo, progress, truncate_jsonl
+from dreamjax.train.checkpoint import RunCheckpointer
 from dreamjax.train.evaluate import evaluate, greedy_rollout, plot_learning_curve, unparsed_rows
-from dreamjax.train.run import ModelSource, build_tiny_checkpoint, load_model, open_run, save_model
+from dreamjax.train.run import ModelSource, build_tiny_checkpoint, load_model, save_model, to_json
 
 ALGORITHMS = {"grpo": ("grpo",), "ppo": ("gae_turn", "gae_token")}  # algorithm -> advantages it accepts
 PHASE_ROLLOUT, PHASE_UPDATE, PHASE_SHUFFLE, PHASE_EVAL, PHASE_TASKS = range(5)
@@ -119,6 +135,9 @@ class RLConfig:
   eval_batch: int = 0  # episodes per evaluation batch; 0: B * G
   eval_sampled: bool = False  # also evaluate at the rollout temperature (one sampled episode per task)
   out_dir: str = "runs/rl_real"
+  checkpoint_every: int = 10  # iterations between checkpoints (also after the last); 0: only after the last
+  keep_checkpoints: int = 3  # the last N checkpoints are kept
+  track: TrackConfig = TrackConfig()
   seed: int = 0
   mesh: MeshConfig = MeshConfig()
   devices: int = 0  # devices the mesh uses (the first ones); 0: all
@@ -138,8 +157,10 @@ class RLConfig:
                  "iterations"):
       if getattr(self, name) < 1:
         raise ValueError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)}")
-    if self.eval_every < 0 or self.eval_batch < 0 or self.devices < 0:
-      raise ValueError("RLConfig: eval_every, eval_batch and devices must be >= 0")
+    if self.eval_every < 0 or self.eval_batch < 0 or self.devices < 0 or self.checkpoint_every < 0:
+      raise ValueError("RLConfig: eval_every, eval_batch, devices and checkpoint_every must be >= 0")
+    if self.keep_checkpoints < 1:
+      raise ValueError(f"RLConfig.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
     if self.rows_per_step % self.micro_batches:
       raise ValueError(f"RLConfig.rows_per_step ({self.rows_per_step}) must be a multiple of micro_batches "
                        f"({self.micro_batches})")
@@ -251,6 +272,19 @@ class RealEnvRL:
   def params(self):
     return self.state.params
 
+  def checkpoint_arrays(self) -> dict[str, Any]:
+    """The learner's arrays a checkpoint holds: train state, frozen reference (when the KL term has one), root key."""
+    arrays = {"state": self.state, "root": self.root}
+    if self.ref_params is not None:
+      arrays["ref_params"] = self.ref_params
+    return arrays
+
+  def load_checkpoint_arrays(self, arrays: dict[str, Any]) -> None:
+    """Takes back what `checkpoint_arrays` gave (restored onto its layout, so the jitted step's shardings hold)."""
+    self.state, self.root = arrays["state"], arrays["root"]
+    if self.ref_params is not None:
+      self.ref_params = arrays["ref_params"]
+
   def sampling_params(self):
     """The policy's parameters laid out as the sampler wants them (sampling may shard differently from training)."""
     if self.mesh is None:
@@ -342,10 +376,24 @@ def _eval_row(iteration: int, real_transitions: int, result: dict[str, Any]) -> 
   return row
 
 
+# Training curves drawn into metrics.svg (those a run logs; PPO adds vf_loss, GRPO kl).
+CURVES = ("loss", "kl", "vf_loss", "entropy", "grad_norm", "rollout_success", "rollout_return", "invalid_rate",
+          "parse_failure_rate", "zero_variance_group_frac", "real_transitions", "iteration_s")
+
+
+def _config_changes(saved: Any, current: Any, prefix: str = "") -> list[str]:
+  """Dotted names of the config fields that differ between the checkpointed run and this one."""
+  if not (isinstance(saved, dict) and isinstance(current, dict)):
+    return [] if saved == current else [prefix.rstrip(".") or "config"]
+  return [c for k in sorted(set(saved) | set(current)) for c in _config_changes(saved.get(k), current.get(k),
+                                                                                 f"{prefix}{k}.")]
+
+
 def run(cfg: RLConfig, env: BatchEnv | None = None) -> dict[str, Any]:
-  """The `dreamjax rl` command: trains, evaluates, writes the run folder; returns the summary. `env` may be any
-  BatchEnv taking `cfg.rows` rows (it is not closed here); by default one is made from the config."""
-  out, log = open_run(cfg.out_dir, cfg)
+  """The `dreamjax rl` command: trains (resuming from the latest checkpoint in `out_dir` when there is one),
+  evaluates, writes the run folder; returns the summary. `env` may be any BatchEnv taking `cfg.rows` rows (it is not
+  closed here); by default one is made from the config."""
+  out = Path(cfg.out_dir)
   devices = jax.devices()[:cfg.devices] if cfg.devices else None
   mesh = make_mesh(cfg.mesh, devices)
   train_pool, eval_pool = cfg.train_tasks.tasks(cfg.env), cfg.eval_tasks.tasks(cfg.env)
@@ -353,18 +401,57 @@ def run(cfg: RLConfig, env: BatchEnv | None = None) -> dict[str, Any]:
   if shared:
     raise ValueError(f"RLConfig: train_tasks and eval_tasks share {len(shared)} tasks (e.g. {sorted(shared)[0]!r}); "
                      f"evaluation must be on held-out tasks")
+  ckpt = RunCheckpointer(out / "checkpoints", keep=cfg.keep_checkpoints)
+  resume = ckpt.latest_step()
+  if resume is not None and resume > cfg.iterations:
+    ckpt.close()
+    raise ValueError(f"RLConfig.iterations is {cfg.iterations} but {out / 'checkpoints'} holds iteration {resume}; "
+                     f"raise iterations or use another out_dir")
   owned = env is None
   env = make_batch_env(cfg) if owned else env
   evals: list[dict[str, Any]] = []
   train_curve: list[tuple[int, int, float]] = []  # (iteration, real transitions, rollout success)
+  meta: dict[str, Any] = {}
+  tracker = None
   start = time.perf_counter()
   try:
-    folder = Path(cfg.model.checkpoint) if cfg.model.checkpoint else build_tiny_checkpoint(
-        dataclasses.replace(cfg.model, value_head=cfg.model.value_head or cfg.algorithm == "ppo"),
-        tokenizer_texts(cfg.agent, env, train_pool, cfg.rows), out / "init_model", cfg.seed)
+    init_model = out / "init_model"
+    if cfg.model.checkpoint:
+      folder = Path(cfg.model.checkpoint)
+    elif resume is not None and (init_model / "config.json").is_file():
+      folder = init_model  # the run's own tiny model and tokenizer, as first built
+    else:
+      folder = build_tiny_checkpoint(dataclasses.replace(cfg.model, value_head=cfg.model.value_head or
+                                                         cfg.algorithm == "ppo"),
+                                     tokenizer_texts(cfg.agent, env, train_pool, cfg.rows), init_model, cfg.seed)
     model_cfg, params, tok = load_model(folder, value_head=cfg.algorithm == "ppo", mesh=mesh, seed=cfg.seed)
     learner = RealEnvRL(cfg, model_cfg, params, tok, mesh)
-    with open(out / "evals.jsonl", "w", encoding="utf-8") as eval_file:
+    if resume is not None:
+      arrays, meta = ckpt.restore(resume, like=learner.checkpoint_arrays())
+      learner.load_checkpoint_arrays(arrays)
+      learner.real_transitions = int(meta["real_transitions"])
+      evals = list(meta["evals"])
+      train_curve = [tuple(r) for r in meta["train_curve"]]
+      changed = _config_changes(meta.get("config", {}), to_json(cfg))
+      echo(f"resuming {out} after iteration {resume}" + (f" (config changed: {', '.join(changed)})" if changed else ""))
+    first = resume or 0
+    tracker = Tracker(out, to_json(cfg), cfg.track, run_id=meta.get("tracker_run_id"), resume_step=resume)
+    evals_path = out / "evals.jsonl" if tracker.primary else Path(os.devnull)  # one process writes the files
+    if resume is None:
+      evals_path.write_text("")
+    elif tracker.primary:  # evaluations logged after the checkpoint are run again
+      truncate_jsonl(evals_path, lambda row: row["iteration"] <= resume)
+
+    def plots() -> None:
+      if not tracker.primary:
+        return
+      plot_learning_curve(evals, out / "learning_curve.svg", train=train_curve,
+                          title=f"{cfg.algorithm.upper()} on {cfg.env}: held-out success (95% CI)")
+      tracker.plot_metrics(CURVES, title=f"{cfg.algorithm.upper()} on {cfg.env}: training")
+
+    with open(evals_path, "a", encoding="utf-8") as eval_file, \
+        progress(cfg.iterations, "rl", initial=first, unit="iter", enabled=cfg.track.progress and tracker.primary) \
+        as bar:
 
       def do_eval(iteration: int) -> None:
         result = learner.evaluate(env, eval_pool)
@@ -373,33 +460,45 @@ def run(cfg: RLConfig, env: BatchEnv | None = None) -> dict[str, Any]:
         outcomes = {"outcomes": result["outcomes"]}
         if "sampled" in result:
           outcomes["sampled_outcomes"] = result["sampled"]["outcomes"]
-        eval_file.write(json.dumps({**row, **outcomes}) + "\n")
+        eval_file.write(json.dumps({**row, **outcomes}, sort_keys=True) + "\n")
         eval_file.flush()
+        tracker.log(iteration, {"eval": row}, jsonl=False)
         sampled = row.get("sampled")
-        print(f"eval @ iteration {iteration} ({learner.real_transitions} real transitions): greedy success "
-              f"{row['success_rate']:.3f} [{row['ci_low']:.3f}, {row['ci_high']:.3f}]" +
-              (f", sampled {sampled['success_rate']:.3f} [{sampled['ci_low']:.3f}, {sampled['ci_high']:.3f}]"
-               if sampled else "") + f" over {row['episodes']} tasks", flush=True)
+        echo(f"eval @ iteration {iteration} ({learner.real_transitions} real transitions): greedy success "
+             f"{row['success_rate']:.3f} [{row['ci_low']:.3f}, {row['ci_high']:.3f}]" +
+             (f", sampled {sampled['success_rate']:.3f} [{sampled['ci_low']:.3f}, {sampled['ci_high']:.3f}]"
+              if sampled else "") + f" over {row['episodes']} tasks")
 
-      do_eval(0)
-      for it in range(cfg.iterations):
+      def checkpoint(iteration: int) -> None:
+        ckpt.save(iteration, learner.checkpoint_arrays(), {
+            "iteration": iteration, "real_transitions": learner.real_transitions, "evals": evals,
+            "train_curve": train_curve, "tracker_run_id": tracker.run_id, "config": to_json(cfg)})
+        plots()
+
+      if resume is None:
+        do_eval(0)
+      for it in range(first, cfg.iterations):
         metrics, _ = learner.iteration(env, draw_tasks(train_pool, cfg.tasks_per_iteration, it, cfg.seed), it)
-        log.log(it + 1, metrics)
+        tracker.log(it + 1, metrics)
         train_curve.append((it + 1, metrics["real_transitions"], metrics["rollout_success"]))
+        bar.update()
         update = f"loss {metrics['loss']:.4f}" if "loss" in metrics else "no update (no group with unequal returns)"
-        print(f"iteration {it + 1}: {update}, rollout success {metrics['rollout_success']:.3f}, zero-variance groups "
-              f"{metrics['zero_variance_group_frac']:.2f} ({metrics['iteration_s']:.1f} s)", flush=True)
+        echo(f"iteration {it + 1}: {update}, rollout success {metrics['rollout_success']:.3f}, zero-variance groups "
+             f"{metrics['zero_variance_group_frac']:.2f} ({metrics['iteration_s']:.1f} s)")
         if (cfg.eval_every and (it + 1) % cfg.eval_every == 0) or it + 1 == cfg.iterations:
           do_eval(it + 1)
+        if (cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0) or it + 1 == cfg.iterations:
+          checkpoint(it + 1)
     save_model(learner.params, model_cfg, folder, out / "final")
+    summary = {"algorithm": cfg.algorithm, "iterations": cfg.iterations, "real_transitions": learner.real_transitions,
+               "initial": evals[0], "final": evals[-1], "evals": evals, "seconds": time.perf_counter() - start,
+               "checkpoint": str(out / "final"), "resumed_from": resume, "run_id": tracker.run_id}
+    tracker.summary(summary)
+    plots()
   finally:
     if owned:
       env.close()
-    log.close()
-  summary = {"algorithm": cfg.algorithm, "iterations": cfg.iterations, "real_transitions": learner.real_transitions,
-             "initial": evals[0], "final": evals[-1], "evals": evals, "seconds": time.perf_counter() - start,
-             "checkpoint": str(out / "final")}
-  (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-  plot_learning_curve(evals, out / "learning_curve.svg", train=train_curve,
-                      title=f"{cfg.algorithm.upper()} on {cfg.env}: held-out success (95% CI)")
+    ckpt.close()
+    if tracker is not None:
+      tracker.close()
   return summary

@@ -1,0 +1,242 @@
+"""Experiment tracking: one `Tracker` per run, writing a local JSONL log always and Weights & Biases when asked.
+
+- Local backend (always on): `config.json` and `metrics.jsonl` in the run folder (`MetricsLog`: one JSON object per
+  logged step, flushed at once so a killed run keeps what it logged), `summary.json`, and `plot_metrics`' SVG of the
+  training curves. Nothing else is needed to read a run.
+- W&B backend (`TrackConfig.wandb`): "online" needs an API key and the network; "offline" writes the run under
+  `<out_dir>/wandb/offline-run-*` with no network (upload later with `wandb sync`), with wandb's cache, config and
+  data folders under `<out_dir>/wandb` too unless the user set them. Its console capture is off (the loops print
+  their own lines) and it is silent.
+
+Resuming. A run's id (W&B's, or a local one of the same form when W&B is off) is `Tracker.run_id`; loops store it
+in their checkpoint's meta and pass it back on resume, so W&B continues the same run (resume="allow"). With
+`resume_step`, rows of metrics.jsonl past that step (logged after the checkpoint the run resumes from) are dropped,
+so the resumed run's file equals an uninterrupted run's; W&B cannot rewind an offline run, so it ignores the steps it
+already has. Without `resume_step` the run is fresh and metrics.jsonl starts empty.
+
+In a multi-process run every process runs the loop and holds a Tracker; only process 0 (`primary`) writes files and
+the W&B run, the others' calls return the same rows and write nothing.
+
+`progress` is tqdm, quiet when stderr is not a terminal (logs, CI, tests); `echo` prints a line without breaking a
+bar.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import secrets
+import string
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from dreamjax.train.run import MetricsLog, read_metrics
+
+WANDB_MODES = ("off", "online", "offline")
+_PLOT_COLOURS = ("#2060c0", "#e08020", "#20a040", "#c02040", "#8040c0", "#606060")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrackConfig:
+  wandb: str = "off"  # off | online | offline
+  project: str = "dreamjax"
+  entity: str = ""  # W&B team or user; empty: the default of the logged-in user
+  name: str = ""  # W&B run name; empty: the run folder's name
+  tags: tuple[str, ...] = ()
+  progress: bool = True  # tqdm bars (shown only when stderr is a terminal)
+
+  def __post_init__(self):
+    if self.wandb not in WANDB_MODES:
+      raise ValueError(f"TrackConfig.wandb must be one of {WANDB_MODES}, got {self.wandb!r}")
+
+
+def new_run_id() -> str:
+  """8 lowercase letters and digits: the form of W&B's own ids, so a local id can also name a W&B run."""
+  return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
+def truncate_jsonl(path: str | Path, keep: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
+  """Rewrites a JSONL file with only the rows `keep` accepts; returns them. A torn last line (a process killed
+  mid-write) is dropped; a malformed line before it is an error naming the file and line. A missing file is empty."""
+  path = Path(path)
+  if not path.exists():
+    return []
+  lines = path.read_text(encoding="utf-8").splitlines()
+  rows = []
+  for i, line in enumerate(lines):
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError as e:
+      if i == len(lines) - 1:
+        break
+      raise ValueError(f"{path}:{i + 1}: not a JSON row ({e})") from None
+    if keep(row):
+      rows.append(row)
+  tmp = path.with_suffix(path.suffix + ".tmp")
+  tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows), encoding="utf-8")
+  tmp.replace(path)  # atomic: a kill here leaves the old file or the new one, never half of one
+  return rows
+
+
+def _flat_scalars(values: Mapping[str, Any], prefix: str = "") -> dict[str, float | int | bool | str]:
+  """Nested dicts as "a/b" keys; scalars only (W&B plots numbers; lists such as per-task outcomes stay local)."""
+  out: dict[str, Any] = {}
+  for k, v in values.items():
+    if isinstance(v, Mapping):
+      out.update(_flat_scalars(v, f"{prefix}{k}/"))
+    elif isinstance(v, bool | int | float | str) or (isinstance(v, np.generic | np.ndarray) and np.ndim(v) == 0):
+      out[f"{prefix}{k}"] = v.item() if isinstance(v, np.generic | np.ndarray) else v
+  return out
+
+
+@contextlib.contextmanager
+def _wandb_dirs(root: Path) -> Iterator[None]:
+  """wandb's cache/config/data folders under the run folder while an offline run starts (its service process keeps
+  them), unless the user chose them; restored afterwards so the rest of the process is unaffected."""
+  names = {"WANDB_CACHE_DIR": "cache", "WANDB_CONFIG_DIR": "config", "WANDB_DATA_DIR": "data"}
+  set_here = [n for n in names if n not in os.environ]
+  for n in set_here:
+    os.environ[n] = str(root / names[n])
+  try:
+    yield
+  finally:
+    for n in set_here:
+      os.environ.pop(n, None)
+
+
+class Tracker:
+  """A run's tracker: `log(step, metrics)` appends to metrics.jsonl and W&B; `summary`, `plot_metrics`, `close`."""
+
+  def __init__(self, out_dir: str | Path, cfg_json: Mapping[str, Any], track_cfg: TrackConfig = TrackConfig(),
+               run_id: str | None = None, resume_step: int | None = None, primary: bool | None = None):
+    self.out = Path(out_dir)
+    self.cfg = track_cfg
+    # In a multi-process run every process runs the loop; one writes the files and the W&B run.
+    self.primary = jax.process_index() == 0 if primary is None else primary
+    self._log = self._wandb = None
+    if self.primary:
+      self.out.mkdir(parents=True, exist_ok=True)
+      (self.out / "config.json").write_text(json.dumps(cfg_json, indent=2, sort_keys=True))
+      metrics = self.out / "metrics.jsonl"
+      if resume_step is None:
+        metrics.write_text("")
+      else:
+        truncate_jsonl(metrics, lambda row: row.get("step", 0) <= resume_step)
+      self._log = MetricsLog(metrics)
+    if self.primary and track_cfg.wandb != "off":
+      import wandb  # imported only when used: it is slow to import and starts a service process
+
+      root = self.out / "wandb"
+      root.mkdir(exist_ok=True)
+      settings = wandb.Settings(mode=track_cfg.wandb, silent=True, console="off", x_disable_stats=True)
+      with _wandb_dirs(root) if track_cfg.wandb == "offline" else contextlib.nullcontext():
+        self._wandb = wandb.init(project=track_cfg.project, entity=track_cfg.entity or None,
+                                 name=track_cfg.name or self.out.name, tags=list(track_cfg.tags),
+                                 config=dict(cfg_json), dir=str(self.out), id=run_id, resume="allow",
+                                 settings=settings)
+    self.run_id = self._wandb.id if self._wandb is not None else (run_id or new_run_id())
+
+  @property
+  def wandb_run(self):
+    """The W&B run (None when W&B is off), for media or artifacts beyond scalars."""
+    return self._wandb
+
+  def log(self, step: int, metrics: Mapping[str, Any], *, jsonl: bool = True, **extra: Any) -> dict[str, Any]:
+    """Logs `metrics` (and `extra`) at `step`; `jsonl=False` sends them to W&B only (rows kept in their own file,
+    e.g. evaluations). Returns the row as written."""
+    if jsonl and self._log is not None:
+      row = self._log.log(step, metrics, **extra)
+    else:
+      row = {"step": int(step), **extra, **metrics}
+    if self._wandb is not None:
+      self._wandb.log(_flat_scalars({k: v for k, v in row.items() if k != "step"}), step=int(step))
+    return row
+
+  def summary(self, values: Mapping[str, Any], filename: str = "summary.json") -> Path:
+    """Writes the run's summary to the run folder (whole) and to W&B's run summary (scalars)."""
+    path = self.out / filename
+    if self.primary:
+      path.write_text(json.dumps(values, indent=1) + "\n")
+    if self._wandb is not None:
+      self._wandb.summary.update(_flat_scalars(values))
+    return path
+
+  def plot_metrics(self, keys: Sequence[str], filename: str = "metrics.svg", title: str = "") -> Path:
+    """Training curves of `keys` from metrics.jsonl (those present), one panel each."""
+    path = self.out / filename
+    return plot_metrics(read_metrics(self.out / "metrics.jsonl"), keys, path, title=title) if self.primary else path
+
+  def close(self) -> None:
+    if self._log is not None:
+      self._log.close()
+      self._log = None
+    if self._wandb is not None:
+      self._wandb.finish()
+      self._wandb = None
+
+  def __enter__(self) -> Tracker:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def progress(iterable: Iterable | int | None = None, desc: str = "", *, total: int | None = None, initial: int = 0,
+             unit: str = "it", enabled: bool = True) -> tqdm:
+  """A tqdm bar over `iterable` (or, given an int, a bar of that total to `update` by hand); quiet when disabled or
+  when stderr is not a terminal."""
+  if isinstance(iterable, int):
+    iterable, total = None, iterable
+  quiet = not enabled or not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
+  return tqdm(iterable, desc=desc, total=total, initial=initial, unit=unit, dynamic_ncols=True, disable=quiet)
+
+
+def echo(message: str) -> None:
+  """Prints a line to stdout around any active progress bar."""
+  tqdm.write(message, file=sys.stdout)
+  sys.stdout.flush()
+
+
+def plot_metrics(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], path: str | Path, *, title: str = "",
+                 x_key: str = "step") -> Path:
+  """A self-contained SVG: one small line chart per key (against `x_key`), three to a row; keys absent from every
+  row are skipped, and rows lacking a key leave a gap in its line only."""
+  keys = [k for k in keys if any(isinstance(r.get(k), int | float) for r in rows)]
+  w, h, cols = 260, 170, 3
+  height = 30 + h * max(1, -(-len(keys) // cols))
+  parts = [f'<text x="{w * cols // 2}" y="18" text-anchor="middle" font-size="14">{title}</text>']
+  for i, key in enumerate(keys):
+    pts = [(float(r[x_key]), float(r[key])) for r in rows if isinstance(r.get(key), int | float)
+           and np.isfinite(r[key])]
+    x0, y0 = 45 + (i % cols) * w, 30 + (i // cols) * h
+    parts.append(f'<text x="{x0 + (w - 60) // 2}" y="{y0 + 12}" text-anchor="middle">{key}</text>')
+    parts.append(f'<rect x="{x0}" y="{y0 + 18}" width="{w - 60}" height="{h - 50}" fill="none" stroke="#999"/>')
+    if not pts:
+      continue
+    xs, ys = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+    lo, hi = float(ys.min()), float(ys.max())
+    span_y, span_x = (hi - lo) or 1.0, float(xs.max() - xs.min()) or 1.0
+    px = x0 + (xs - xs.min()) / span_x * (w - 60)
+    py = y0 + 18 + (h - 50) - (ys - lo) / span_y * (h - 50)
+    colour = _PLOT_COLOURS[i % len(_PLOT_COLOURS)]
+    line = " ".join(f"{a:.1f},{b:.1f}" for a, b in zip(px, py))
+    parts.append(f'<polyline points="{line}" fill="none" stroke="{colour}" stroke-width="1.5"/>')
+    parts.append(f'<text x="{x0 - 4}" y="{y0 + 22}" text-anchor="end" font-size="9">{hi:.3g}</text>')
+    parts.append(f'<text x="{x0 - 4}" y="{y0 + h - 32}" text-anchor="end" font-size="9">{lo:.3g}</text>')
+    parts.append(f'<text x="{x0 + w - 60}" y="{y0 + h - 20}" text-anchor="end" font-size="9">{x_key} '
+                 f'{xs.min():.0f}..{xs.max():.0f}</text>')
+  svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{w * cols + 20}" height="{height}" font-family="sans-serif" '
+         f'font-size="11"><rect width="100%" height="100%" fill="white"/>' + "".join(parts) + "</svg>\n")
+  path = Path(path)
+  path.write_text(svg, encoding="utf-8")
+  return path

@@ -1,0 +1,207 @@
+"""Run checkpoints: one pytree of arrays plus one JSON document per step, saved with orbax, the last N kept.
+
+A training loop's resumable state splits in two:
+- `arrays`: any pytree of jax (or NumPy) arrays: the TrainState (parameters, optimizer state, step), a frozen
+  reference model, the root PRNG key, a `CurriculumState`. Saved with orbax's StandardCheckpointHandler, so each
+  process writes its own shards and a restore lays every leaf out as the caller's `like` tree says (a run resumed on
+  the 8-device mesh gets its layout back; a different mesh reshards on load).
+- `meta`: a JSON document: counters, the task pool (`TaskPool.to_json`), the replay buffer's position, the tracker's
+  run id, NumPy Generator states (`generator_state` / `restore_generator`), evaluation rows so far.
+
+Typed PRNG keys cannot be serialised as such: their raw `key_data` is saved and a small JSON item records which
+leaves were keys and of which implementation; restore wraps them back (a key restored onto a non-key leaf, or one of
+another implementation, is a mismatch).
+
+Atomicity. Orbax writes each step in place and marks it finished with a `commit_success.txt` written last (its
+COMMIT_FILE mode; rename-based atomicity cannot tell a half-written `7/` from a finished one). A step directory without
+that marker (a process killed mid-save) is ignored by `steps`, `latest_step` and `restore`, and removed when the next
+checkpointer opens the folder. Saves are asynchronous: `save` returns once the arrays are copied off the devices, so
+the train step may donate them at once; `wait` (also done by `latest_step`, `restore` and `close`) blocks until the
+files are committed.
+
+Restoring onto a tree that does not match the checkpoint (other leaves, shapes or dtypes) raises a ValueError naming
+the folder, the step and the first differing paths, rather than orbax's silent dtype casts or deep tracebacks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+_COMMIT = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
+_SHOWN = 5  # mismatching paths named in an error
+
+
+def _name(entry: Any) -> str:
+  """One key-path entry as orbax names it in a checkpoint's tree (dict keys, attribute names, list indices)."""
+  for attr in ("key", "name", "idx"):
+    if hasattr(entry, attr):
+      return str(getattr(entry, attr))
+  return str(entry)
+
+
+def _path(path: tuple) -> str:
+  return "/".join(_name(e) for e in path)
+
+
+def _is_key(x: Any) -> bool:
+  return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _key_data_like(x: Any) -> jax.ShapeDtypeStruct:
+  """Where a typed key leaf's raw data goes on restore: same devices, trailing key dimensions unsharded."""
+  if isinstance(x, jax.Array):
+    data = jax.random.key_data(x)
+    return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=data.sharding)
+  shape = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+  extra = len(shape.shape) - len(x.shape)
+  sharding = getattr(x, "sharding", None)
+  if isinstance(sharding, NamedSharding):
+    sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec, *[None] * (len(x.shape) - len(
+        sharding.spec) + extra)))
+  return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding or SingleDeviceSharding(jax.local_devices()[0]))
+
+
+def _abstract(x: Any) -> Any:
+  """A restore target leaf: NumPy arrays stay NumPy; everything else becomes a ShapeDtypeStruct with a sharding."""
+  if isinstance(x, np.ndarray | np.generic):
+    return np.zeros(np.shape(x), np.asarray(x).dtype)
+  if _is_key(x):
+    return _key_data_like(x)
+  sharding = getattr(x, "sharding", None) or SingleDeviceSharding(jax.local_devices()[0])
+  return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+
+def generator_state(rng: np.random.Generator) -> dict[str, Any]:
+  """A NumPy Generator's state as JSON (for `meta`)."""
+  return {"bit_generator": type(rng.bit_generator).__name__, "state": rng.bit_generator.state}
+
+
+def restore_generator(state: Mapping[str, Any]) -> np.random.Generator:
+  bit_generator = getattr(np.random, state["bit_generator"])()
+  bit_generator.state = state["state"]
+  return np.random.Generator(bit_generator)
+
+
+class RunCheckpointer:
+  """`save(step, arrays, meta)` / `restore(step, like)` over an orbax CheckpointManager in `folder`, keeping `keep`
+  steps (None: all)."""
+
+  def __init__(self, folder: str | Path, keep: int | None = 3):
+    if keep is not None and keep < 1:
+      raise ValueError(f"RunCheckpointer: keep must be >= 1 (or None for all), got {keep}")
+    self.folder = Path(folder).absolute()
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True,
+                                           atomicity_options=_COMMIT)
+    handlers = {"arrays": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
+                "keys": ocp.JsonCheckpointHandler()}
+    self._manager = ocp.CheckpointManager(self.folder, options=options, item_handlers=handlers)
+
+  def steps(self) -> list[int]:
+    """Committed steps, oldest first."""
+    self.wait()
+    return sorted(self._manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    steps = self.steps()
+    return steps[-1] if steps else None
+
+  def save(self, step: int, arrays: Any, meta: Mapping[str, Any] | None = None) -> None:
+    """Starts saving `arrays` and `meta` as `step` (a new step; the oldest beyond `keep` are deleted once it commits)."""
+    step = int(step)
+    try:
+      meta = json.loads(json.dumps(dict(meta or {})))
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"RunCheckpointer.save (step {step} in {self.folder}): meta is not JSON: {e}") from None
+    if step in self.steps():
+      raise ValueError(f"RunCheckpointer.save: step {step} is already committed in {self.folder}")
+    flat, _ = jax.tree_util.tree_flatten_with_path(arrays)
+    other = next((_path(p) for p, x in flat if not isinstance(x, jax.Array | np.ndarray | np.generic)), None)
+    if other is not None:
+      raise ValueError(f"RunCheckpointer.save (step {step} in {self.folder}): leaf {other!r} is not an array; "
+                       f"put Python values in meta")
+    keys = {_path(p): str(jax.random.key_impl(x)) for p, x in flat if _is_key(x)}
+    data = jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, arrays)
+    self._manager.save(step, args=ocp.args.Composite(arrays=ocp.args.StandardSave(data), meta=ocp.args.JsonSave(meta),
+                                                     keys=ocp.args.JsonSave(keys)))
+
+  def wait(self) -> None:
+    """Blocks until every started save is committed."""
+    self._manager.wait_until_finished()
+
+  def meta(self, step: int | None = None) -> dict[str, Any]:
+    """The JSON document of `step` (None: the latest), without touching the arrays."""
+    step = self._committed(step)
+    return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {})
+
+  def restore(self, step: int | None = None, like: Any = None) -> tuple[Any, dict[str, Any]]:
+    """(arrays, meta) of `step` (None: the latest). `like` is a tree of the saved structure, concrete arrays or
+    ShapeDtypeStructs whose shardings the restored leaves take; None restores the saved tree as nested dicts and
+    lists with the saved shardings (inspection on the same devices)."""
+    step = self._committed(step)
+    keys = self._manager.restore(step, args=ocp.args.Composite(keys=ocp.args.JsonRestore()))["keys"] or {}
+    if like is None:
+      target = ocp.args.StandardRestore()
+    else:
+      abstract = jax.tree.map(_abstract, like)
+      self._check(step, like, abstract, keys)
+      target = ocp.args.StandardRestore(abstract)
+    out = self._manager.restore(step, args=ocp.args.Composite(arrays=target, meta=ocp.args.JsonRestore()))
+
+    def wrap(path, x):
+      impl = keys.get(_path(path))
+      return jax.random.wrap_key_data(x, impl=impl) if impl is not None else x
+
+    return jax.tree_util.tree_map_with_path(wrap, out["arrays"]), dict(out["meta"] or {})
+
+  def _committed(self, step: int | None) -> int:
+    steps = self.steps()
+    if step is None:
+      if not steps:
+        raise FileNotFoundError(f"RunCheckpointer: no committed checkpoint in {self.folder}")
+      return steps[-1]
+    if step not in steps:
+      raise FileNotFoundError(f"RunCheckpointer: step {step} is not a committed checkpoint in {self.folder} "
+                              f"(committed: {steps})")
+    return int(step)
+
+  def _check(self, step: int, like: Any, target: Any, keys: Mapping[str, str]) -> None:
+    """Raises a ValueError listing how `like` differs from the checkpoint: leaves missing on either side, shapes,
+    dtypes, and typed keys (of another implementation, or where the checkpoint has plain data)."""
+    stored = self._manager.item_metadata(step)["arrays"]
+    stored = getattr(stored, "tree", stored)
+    have = {_path(p): (tuple(m.shape), np.dtype(m.dtype)) for p, m in jax.tree_util.tree_flatten_with_path(stored)[0]}
+    want = {_path(p): (tuple(np.shape(t)), np.dtype(t.dtype)) for p, t in jax.tree_util.tree_flatten_with_path(
+        target)[0]}
+    problems = [f"{p}: missing from the checkpoint" for p in want if p not in have]
+    problems += [f"{p}: in the checkpoint but not in the restore target" for p in have if p not in want]
+    problems += [f"{p}: checkpoint has shape {have[p][0]} {have[p][1]}, target {want[p][0]} {want[p][1]}"
+                 for p in want if p in have and have[p] != want[p]]
+    for p, x in jax.tree_util.tree_flatten_with_path(like)[0]:
+      name, saved = _path(p), keys.get(_path(p))
+      if _is_key(x) != (saved is not None):
+        problems.append(f"{name}: {'a PRNG key' if _is_key(x) else 'an array'} in the target, "
+                        f"{'a PRNG key' if saved else 'plain data'} in the checkpoint")
+      elif saved is not None and isinstance(x, jax.Array) and str(jax.random.key_impl(x)) != saved:
+        problems.append(f"{name}: PRNG key implementation {jax.random.key_impl(x)} in the target, {saved} saved")
+    if problems:
+      more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
+      raise ValueError(f"RunCheckpointer.restore: step {step} in {self.folder} does not match the restore target: "
+                       + "; ".join(problems[:_SHOWN]) + more)
+
+  def close(self) -> None:
+    self.wait()
+    self._manager.close()
+
+  def __enter__(self) -> RunCheckpointer:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
