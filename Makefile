@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml tools/install_system_deps.sh
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/dreamjax demo --config configs/demo.py
+	$(VENV)/bin/dreamjax reproduce --config configs/demo.py
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q

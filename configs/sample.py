@@ -1,11 +1,11 @@
-"""Sample a chat-formatted batch from a tiny model built on the fly (or from a real HF checkpoint folder).
+"""Sample a chat-formatted batch from a tiny model built on the fly (or from a real HF checkpoint folder); tokens/s.
 
-Run:   dreamjax demo --config configs/demo.py                      (what `make demo` runs)
-Real:  dreamjax demo --config configs/demo.py --set checkpoint=/path/to/Qwen2.5-7B-Instruct --set batch=32
+Run:   dreamjax sample --config configs/sample.py
+Real:  dreamjax sample --config configs/sample.py --set checkpoint=/path/to/Qwen2.5-7B-Instruct --set batch=32
 """
 
-from dreamjax.demo import DemoConfig
+from dreamjax.sample_report import SampleConfig
 
 
-def config() -> DemoConfig:
-  return DemoConfig()
+def config() -> SampleConfig:
+  return SampleConfig()

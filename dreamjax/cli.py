@@ -11,7 +11,8 @@ from dreamjax.config import load_config
 
 # command -> (help, "module:function taking the config"); modules are imported only when their command runs.
 COMMANDS = {
-    "demo": ("sample a batch from a (tiny or real) checkpoint and report tokens/s", "dreamjax.demo:run"),
+    "reproduce": ("the paper's comparison end to end (data, M_exp, SFT, baselines, DreamGym, S2R, ablations) and its "
+                  "table; `make demo` runs its tiny default", "dreamjax.reproduce:run"),
     "collect": ("run expert/random/eps policies on a real env; write trajectories (JSONL, TFDS) and a summary",
                 "dreamjax.data.collect:run"),
     "train-exp": ("train the experience model (SFT, Eq. 5) on offline trajectories; report its fidelity",
@@ -22,6 +23,9 @@ COMMANDS = {
     "rl": ("PPO or GRPO against a real environment, with periodic held-out evaluation", "dreamjax.train.rl_real:run"),
     "dreamgym": ("PPO or GRPO inside the experience model (curriculum, replay write-back), evaluated on the real env",
                  "dreamjax.train.dreamgym:run"),
+    "eval": ("a policy checkpoint's held-out success on a real env (greedy, optionally sampled)",
+             "dreamjax.train.eval_run:run"),
+    "sample": ("sample a batch from a (tiny or real) checkpoint and report tokens/s", "dreamjax.sample_report:run"),
 }
 
 

@@ -1,4 +1,5 @@
-"""The demo job until the DreamGym loop lands: a chat-formatted batch sampled from a model loaded from an HF folder.
+"""`dreamjax sample`: a chat-formatted batch sampled from a model loaded from an HF folder, with its tokens/s (a quick
+check that a checkpoint loads, shards and samples).
 
 Without a checkpoint it builds one: a byte-level BPE trained on a small built-in corpus and a tiny random Qwen2 model,
 exported as an HF folder and loaded back, so it runs the same path a real Llama/Qwen checkpoint takes. Random
@@ -22,9 +23,9 @@ from dreamjax.text import Kind, SegmentBuilder, load_tokenizer, train_bpe_tokeni
 
 
 @dataclasses.dataclass(frozen=True)
-class DemoConfig:
+class SampleConfig:
   checkpoint: str = ""  # an HF checkpoint folder (config.json, safetensors, tokenizer); empty: build a tiny one
-  out_dir: str = "runs/demo"
+  out_dir: str = "runs/sample"
   model: ModelConfig = tiny("qwen2", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4,
                             num_heads=4, num_kv_heads=2, head_dim=32)  # vocab is replaced by the tokenizer's
   batch: int = 8
@@ -50,7 +51,7 @@ def _corpus(n: int, seed: int) -> list[str]:
   return lines
 
 
-def _build_tiny_checkpoint(cfg: DemoConfig, folder: Path) -> None:
+def _build_tiny_checkpoint(cfg: SampleConfig, folder: Path) -> None:
   tok_dir = folder / "tokenizer"
   tokenizer = train_bpe_tokenizer(_corpus(2000, cfg.seed), tok_dir, vocab_size=cfg.model.vocab_size)
   model_cfg = cfg.model.replace(vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_ids[0])
@@ -58,7 +59,7 @@ def _build_tiny_checkpoint(cfg: DemoConfig, folder: Path) -> None:
   save_hf_checkpoint(params, model_cfg, folder, tokenizer_folder=tok_dir)
 
 
-def run(cfg: DemoConfig) -> dict:
+def run(cfg: SampleConfig) -> dict:
   out = Path(cfg.out_dir)
   folder = Path(cfg.checkpoint) if cfg.checkpoint else out / "tiny-checkpoint"
   if not cfg.checkpoint and not (folder / "config.json").is_file():
@@ -99,11 +100,11 @@ def run(cfg: DemoConfig) -> dict:
       "compilations": sampler.compilations(), "samples": texts,
   }
   out.mkdir(parents=True, exist_ok=True)
-  (out / "demo.json").write_text(json.dumps(report, indent=2))
+  (out / "sample.json").write_text(json.dumps(report, indent=2))
   print(f"model: {model_cfg.family}, {model_cfg.num_layers} layers, hidden {model_cfg.hidden_size}, "
         f"vocab {model_cfg.vocab_size}, from {folder}")
   for i, text in enumerate(texts[:3]):
     print(f"sample {i}: {text[:160]!r}")
   print(f"batch {len(prompts)} x {cfg.max_new_tokens} new tokens: {report['tokens_per_s']:.0f} tokens/s "
-        f"(first call incl. compile {first:.1f} s); report in {out / 'demo.json'}")
+        f"(first call incl. compile {first:.1f} s); report in {out / 'sample.json'}")
   return report

@@ -3,11 +3,11 @@
 import pytest
 
 from dreamjax.config import apply_override, load_config
-from dreamjax.demo import DemoConfig
+from dreamjax.sample_report import SampleConfig
 
 
 def test_overrides_are_parsed_by_field_type():
-  cfg = DemoConfig()
+  cfg = SampleConfig()
   cfg = apply_override(cfg, "batch=3")
   cfg = apply_override(cfg, "top_p=0.5")
   cfg = apply_override(cfg, "model.tie_word_embeddings=true")
@@ -28,11 +28,11 @@ def test_overrides_are_parsed_by_field_type():
 ])
 def test_bad_overrides_name_the_field(item, message):
   with pytest.raises(ValueError, match=message):
-    apply_override(DemoConfig(), item)
+    apply_override(SampleConfig(), item)
 
 
 def test_load_config_file_and_errors(tmp_path):
-  assert load_config("configs/demo.py", ["batch=2"]).batch == 2
+  assert load_config("configs/sample.py", ["batch=2"]).batch == 2
   with pytest.raises(FileNotFoundError, match="does not exist"):
     load_config(tmp_path / "missing.py")
   (tmp_path / "empty.py").write_text("x = 1\n")

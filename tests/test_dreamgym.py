@@ -93,29 +93,34 @@ def _config(parts, out: Path, **kw) -> DreamGymConfig:
   return DreamGymConfig(**(base | kw))
 
 
-def test_grpo_in_the_experience_model_keeps_its_books(parts, twx, tmp_path):
-  cfg = _config(parts, tmp_path / "run")
-  summary = run(cfg)
+@pytest.fixture(scope="module")
+def uninterrupted(parts, tmp_path_factory):
+  cfg = _config(parts, tmp_path_factory.mktemp("dreamgym_run"), rl=dict(iterations=3, checkpoint_every=1))
+  return cfg, run(cfg)
+
+
+def test_grpo_in_the_experience_model_keeps_its_books(uninterrupted):
+  cfg, summary = uninterrupted
   out = Path(cfg.out_dir)
   metrics = [m for m in read_metrics(out / "metrics.jsonl") if "rollout_success" in m]
-  assert [m["step"] for m in metrics] == [1, 2]
+  assert [m["step"] for m in metrics] == [1, 2, 3]
   # Synthetic transitions: every answer that parsed went to M_exp; none went to the real env in training.
   assert summary["real_transitions"] == 0 and all(e["real_transitions"] == 0 for e in summary["evals"])
   assert summary["synthetic_transitions"] == metrics[-1]["synthetic_transitions"] > 0
-  assert [e["iteration"] for e in summary["evals"]] == [0, 1, 2]
+  assert [e["iteration"] for e in summary["evals"]] == [0, 1, 2, 3]
   # Write-back: the buffer holds the offline seed plus exactly the synthetic transitions, tagged with the iteration.
   offline = sum(r.num_steps for r in read_trajectories(cfg.offline_data[0]))
   with ReplayBuffer(out / "replay", read_only=True) as buffer:
     items = list(buffer.iter_from(0))
   synthetic = [t for t in items if t.source == "synthetic"]
   assert len(items) - len(synthetic) == offline and len(synthetic) == summary["synthetic_transitions"]
-  assert sorted({t.policy_version for t in synthetic}) == [0, 1]
+  assert sorted({t.policy_version for t in synthetic}) == [0, 1, 2]
   assert summary["replay_size"] == len(items) == metrics[-1]["replay_size"]
   # Curriculum: every drawn task got statistics; M_task's candidates are all accounted for.
   pool = TaskPool.load(out / "task_pool.json")
   state = jax.device_get(pool.state)
-  assert int(np.asarray(state.iteration)) == 2
-  assert int(np.asarray(state.times_sampled).sum()) == 2 * cfg.rl.tasks_per_iteration
+  assert int(np.asarray(state.iteration)) == 3
+  assert int(np.asarray(state.times_sampled).sum()) == 3 * cfg.rl.tasks_per_iteration
   counts = summary["generation"]
   assert all("generation_candidates" in m for m in metrics)  # M_task ran on the drawn tasks every iteration
   assert sum(v for k, v in counts.items()) == sum(m.get("generation_candidates", 0) for m in metrics)
@@ -126,7 +131,40 @@ def test_grpo_in_the_experience_model_keeps_its_books(parts, twx, tmp_path):
   _, before = load_hf_checkpoint(cfg.rl.model.checkpoint)
   _, after = load_hf_checkpoint(summary["checkpoint"])
   assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
-  assert (out / "learning_curve.svg").is_file() and json.loads((out / "summary.json").read_text())["iterations"] == 2
+  assert (out / "learning_curve.svg").is_file() and json.loads((out / "summary.json").read_text())["iterations"] == 3
+
+
+def _rows(path: Path) -> list[dict]:
+  """JSONL rows without timings, which differ between runs."""
+  def strip(x):
+    if isinstance(x, dict):
+      return {k: strip(v) for k, v in x.items() if not (k.endswith("_s") or k == "time_s")}
+    return x
+  return [strip(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_a_run_resumed_after_a_crash_equals_the_uninterrupted_run(parts, uninterrupted, tmp_path):
+  """Two iterations, then the leftovers of a crash inside the third (its episodes written back, its metrics row
+  logged, no checkpoint), then the same config to three iterations: the run rewinds to its checkpoint and ends equal
+  to the uninterrupted run: parameters bit for bit, metrics, evaluations, replay buffer and task pool."""
+  full_cfg, full = uninterrupted
+  out = tmp_path / "resumed"
+  run(_config(parts, out, rl=dict(iterations=2, checkpoint_every=1)))
+  with ReplayBuffer(out / "replay") as buffer:
+    buffer.append(list(buffer.iter_from(len(buffer) - 3)))  # what the killed iteration 3 wrote back
+  with open(out / "metrics.jsonl", "a") as f:
+    f.write(json.dumps({"step": 3, "loss": 123.0}) + "\n")
+  summary = run(_config(parts, out, rl=dict(iterations=3, checkpoint_every=1)))
+  assert summary["resumed_from"] == 2 and summary["synthetic_transitions"] == full["synthetic_transitions"]
+  _, a = load_hf_checkpoint(summary["checkpoint"])
+  _, b = load_hf_checkpoint(full["checkpoint"])
+  assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  for name in ("metrics.jsonl", "evals.jsonl"):
+    assert _rows(out / name) == _rows(Path(full_cfg.out_dir) / name), name
+  with ReplayBuffer(out / "replay", read_only=True) as x, \
+      ReplayBuffer(Path(full_cfg.out_dir) / "replay", read_only=True) as y:
+    assert list(x.iter_from(0)) == list(y.iter_from(0))
+  assert (out / "task_pool.json").read_text() == (Path(full_cfg.out_dir) / "task_pool.json").read_text()
 
 
 def test_ablations_ppo_without_replay_or_curriculum(parts, tmp_path):

@@ -103,7 +103,13 @@ def test_action_arity_matches_browsergym():
     assert (lo, hi) == (sum(p.default is inspect.Parameter.empty for p in params), len(params)), name
 
 
-@pytest.mark.parametrize("name", sorted(EXPERTS))
+# Three tasks (a click, typing, a multi-field form) run by default; the other experts run with `-m slow`, keeping the
+# default suite within its time budget (each task takes 10-50 s on 2 busy cores).
+DEFAULT_EXPERTS = ("click-button", "enter-text", "login-user")
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT_EXPERTS else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(EXPERTS)])
 def test_expert_wins(env, name):
   for task in tasks(name, "eval", 2):
     obs = env.reset(task)

@@ -24,6 +24,11 @@ M_exp trained with `format.reasoning=false` (`dreamjax train-exp --set format.re
 states which one the run expects: a mismatch with the checkpoint's exp_model.json is an error, so an ablation table
 cannot silently mix them up.
 
+Checkpoints and resume: as the real-env loop (`rl.checkpoint_every`, `rl.keep_checkpoints`, `rl.track`), with the
+curriculum state and task pool, the M_task counters and the replay buffer's positions added; a resumed run rewinds the
+buffer to its checkpoint, rebuilds the retrieval index in the chunks it was built in, and draws what the
+uninterrupted run would have drawn. Rerun the same command to resume.
+
 Seed tasks are the offline data's tasks (their first recorded state starts the synthetic episode); none may be a
 held-out evaluation task. Outputs in `out_dir`: those of the real-env loop (config.json, metrics.jsonl, evals.jsonl,
 summary.json, learning_curve.svg, final/) plus replay/ (the buffer with the offline seed and the written-back
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -60,6 +66,7 @@ from dreamjax.sampling import Sampler
 from dreamjax.train.evaluate import plot_learning_curve, unparsed_rows
 from dreamjax.train.exp_sft import META_FILE, load_records, make_retriever
 from dreamjax.train.rl_real import (
+    CURVES,
     RealEnvRL,
     RLConfig,
     _eval_row,
@@ -69,7 +76,9 @@ from dreamjax.train.rl_real import (
     phase_key,
     tokenizer_texts,
 )
-from dreamjax.train.run import build_tiny_checkpoint, load_model, open_run, save_model
+from dreamjax.track import Tracker, echo, progress, truncate_jsonl
+from dreamjax.train.checkpoint import RunCheckpointer
+from dreamjax.train.run import build_tiny_checkpoint, load_model, save_model, to_json
 
 PHASE_SYNTHETIC, PHASE_CURRICULUM, PHASE_GENERATION, PHASE_CLUSTERS = 10, 11, 12, 13
 
@@ -249,24 +258,48 @@ class Curriculum:
     return (ex.initial_state if ex else ""), ()
 
 
+def rebuild_retriever(retriever, buffer: ReplayBuffer, marks: list[int]) -> None:
+  """Adds the buffer's transitions to a fresh retriever in the chunks they were first added in (the offline seed,
+  then one write-back per iteration), so a resumed run's index answers exactly as the uninterrupted run's did."""
+  start = 0
+  for end in marks:
+    if end > start:
+      retriever.add(list(buffer.iter_from(start, end)))
+    start = end
+
+
 def run(cfg: DreamGymConfig) -> dict[str, Any]:
-  """The `dreamjax dreamgym` command: trains in the experience model, evaluates on the real env, writes the run
-  folder; returns the summary."""
+  """The `dreamjax dreamgym` command: trains in the experience model (resuming from the latest checkpoint in
+  `out_dir` when there is one), evaluates on the real env, writes the run folder; returns the summary."""
   rl = dataclasses.replace(cfg.rl, out_dir=cfg.out_dir)
-  out, log = open_run(cfg.out_dir, cfg)
+  out = Path(cfg.out_dir)
   devices = jax.devices()[:rl.devices] if rl.devices else None
   mesh = make_mesh(rl.mesh, devices)
   eval_pool = rl.eval_tasks.tasks(rl.env)
   records, seeds = seed_records(cfg, {t.task_id for t in eval_pool})
   exp_cfg, exp_params, exp_tok, meta, fmt = load_exp_model(cfg, mesh)
   root = jax.random.key(rl.seed)
+  ckpt = RunCheckpointer(out / "checkpoints", keep=rl.keep_checkpoints)
+  resume = ckpt.latest_step()
+  if resume is not None and resume > rl.iterations:
+    ckpt.close()
+    raise ValueError(f"rl.iterations is {rl.iterations} but {out / 'checkpoints'} holds iteration {resume}; raise "
+                     f"iterations or use another out_dir")
+  state: dict[str, Any] = ckpt.meta(resume) if resume is not None else {}
 
+  out.mkdir(parents=True, exist_ok=True)
   buffer = ReplayBuffer(out / "replay")
+  # Buffer positions after the offline seed and after each iteration's write-back. Whatever lies past the last one
+  # (episodes of iterations after the checkpoint, or of a run killed before its first) is written again when redone.
+  marks: list[int] = list(state.get("replay_marks", []))
+  retrieve = fmt.retrieval and fmt.k
+  if resume is None:
+    marks = [buffer.seed(records, tag="offline").stop if retrieve else 0]
+  buffer.truncate(marks[-1])
   retriever = None
-  if fmt.retrieval and fmt.k:
+  if retrieve:
     retriever = make_retriever(meta["retrieval_encoder"], meta["encoder_folder"])
-    buffer.seed(records, tag="offline")
-    retriever.add(list(buffer.iter_from(0)))
+    rebuild_retriever(retriever, buffer, marks)
   tutorials = {}
   if fmt.tutorial:
     notes = annotations_for(records)
@@ -276,8 +309,7 @@ def run(cfg: DreamGymConfig) -> dict[str, Any]:
   top = min(meta["max_len"], exp_cfg.max_position_embeddings - max_new)
   buckets = cfg.exp_prompt_buckets or tuple(b for b in (256, 512, 1024, 2048, 4096, 8192) if b < top) + (top,)
   synthetic = SyntheticEnv(exp_cfg, exp_params, exp_tok, fmt, retriever, initial_states=initial_states_from(records),
-                           max_new_tokens=max_new,
-                           temperature=cfg.exp_temperature, prompt_buckets=buckets,
+                           max_new_tokens=max_new, temperature=cfg.exp_temperature, prompt_buckets=buckets,
                            key=phase_key(root, 0, PHASE_SYNTHETIC), mesh=mesh, tutorials=tutorials,
                            max_steps=rl.rollout.max_turns)
   task_sampler = Sampler(exp_cfg, cfg.curriculum.max_new_tokens, pad_id=exp_tok.pad_id, mesh=mesh) \
@@ -287,30 +319,70 @@ def run(cfg: DreamGymConfig) -> dict[str, Any]:
   curriculum = Curriculum(cfg, seeds, records, root, task_sampler, exp_params, exp_tok, encode)
 
   real = make_batch_env(rl)
-  evals: list[dict[str, Any]] = []
-  train_curve: list[tuple[int, int, float]] = []
-  synthetic_transitions = 0
+  evals: list[dict[str, Any]] = list(state.get("evals", []))
+  train_curve = [tuple(r) for r in state.get("train_curve", [])]  # (iteration, synthetic transitions, success)
+  synthetic_transitions = int(state.get("synthetic_transitions", 0))
+  tracker = None
   start = time.perf_counter()
   try:
-    folder = Path(rl.model.checkpoint) if rl.model.checkpoint else build_tiny_checkpoint(
-        dataclasses.replace(rl.model, value_head=rl.model.value_head or rl.algorithm == "ppo"),
-        tokenizer_texts(rl.agent, real, seeds, rl.rows), out / "init_model", rl.seed)
+    init_model = out / "init_model"
+    if rl.model.checkpoint:
+      folder = Path(rl.model.checkpoint)
+    elif resume is not None and (init_model / "config.json").is_file():
+      folder = init_model
+    else:
+      folder = build_tiny_checkpoint(dataclasses.replace(rl.model, value_head=rl.model.value_head or
+                                                         rl.algorithm == "ppo"),
+                                     tokenizer_texts(rl.agent, real, seeds, rl.rows), init_model, rl.seed)
     model_cfg, params, tok = load_model(folder, value_head=rl.algorithm == "ppo", mesh=mesh, seed=rl.seed)
     learner = RealEnvRL(rl, model_cfg, params, tok, mesh)
-    with open(out / "evals.jsonl", "w", encoding="utf-8") as eval_file:
+    if resume is not None:
+      arrays, _ = ckpt.restore(resume, like=learner.checkpoint_arrays() | {"curriculum": curriculum.pool.state})
+      learner.load_checkpoint_arrays(arrays)
+      curriculum.pool = TaskPool.from_json(state["task_pool"], source=f"{out / 'checkpoints'}: task_pool")
+      curriculum.pool.state = arrays["curriculum"]
+      curriculum.generation_counts = dict(state["generation"])
+      echo(f"resuming {out} after iteration {resume}")
+    first = resume or 0
+    tracker = Tracker(out, to_json(cfg), rl.track, run_id=state.get("tracker_run_id"), resume_step=resume)
+    evals_path = out / "evals.jsonl" if tracker.primary else Path(os.devnull)
+    if resume is None:
+      evals_path.write_text("")
+    elif tracker.primary:
+      truncate_jsonl(evals_path, lambda row: row["iteration"] <= resume)
+
+    def plots() -> None:
+      if tracker.primary:
+        plot_learning_curve(evals, out / "learning_curve.svg", train=train_curve,
+                            title=f"DreamGym {rl.algorithm.upper()} ({rl.env} eval): held-out success (95% CI)",
+                            transitions="synthetic_transitions")
+        tracker.plot_metrics(CURVES, title=f"DreamGym {rl.algorithm.upper()}: training")
+
+    with open(evals_path, "a", encoding="utf-8") as eval_file, \
+        progress(rl.iterations, "dreamgym", initial=first, unit="iter", enabled=rl.track.progress and
+                 tracker.primary) as bar:
 
       def do_eval(iteration: int) -> None:
         result = learner.evaluate(real, eval_pool)
         row = _eval_row(iteration, 0, result) | {"synthetic_transitions": synthetic_transitions}
         evals.append(row)
-        eval_file.write(json.dumps({**row, "outcomes": result["outcomes"]}) + "\n")
+        eval_file.write(json.dumps({**row, "outcomes": result["outcomes"]}, sort_keys=True) + "\n")
         eval_file.flush()
-        print(f"eval @ iteration {iteration} ({synthetic_transitions} synthetic transitions): real-env success "
-              f"{row['success_rate']:.3f} [{row['ci_low']:.3f}, {row['ci_high']:.3f}] over {row['episodes']} tasks",
-              flush=True)
+        tracker.log(iteration, {"eval": row}, jsonl=False)
+        echo(f"eval @ iteration {iteration} ({synthetic_transitions} synthetic transitions): real-env success "
+             f"{row['success_rate']:.3f} [{row['ci_low']:.3f}, {row['ci_high']:.3f}] over {row['episodes']} tasks")
 
-      do_eval(0)
-      for it in range(rl.iterations):
+      def checkpoint(iteration: int) -> None:
+        arrays = learner.checkpoint_arrays() | {"curriculum": curriculum.pool.state}
+        ckpt.save(iteration, arrays, {
+            "iteration": iteration, "synthetic_transitions": synthetic_transitions, "evals": evals,
+            "train_curve": train_curve, "replay_marks": marks, "task_pool": curriculum.pool.to_json(),
+            "generation": curriculum.generation_counts, "tracker_run_id": tracker.run_id, "config": to_json(cfg)})
+        plots()
+
+      if resume is None:
+        do_eval(0)
+      for it in range(first, rl.iterations):
         t0 = time.perf_counter()
         tasks, slots = curriculum.draw(it)
         synthetic.batches = it  # the env's randomness follows the iteration (a resumed run draws the same)
@@ -324,6 +396,7 @@ def run(cfg: DreamGymConfig) -> dict[str, Any]:
           buffer.append(back)
           if retriever is not None:
             retriever.add(back)
+        marks.append(len(buffer))
         returns = episode_returns(traj, rl.invalid_penalty)
         metrics.pop("real_transitions", None)
         metrics.update(curriculum.update(traj, returns, slots, it))
@@ -332,27 +405,31 @@ def run(cfg: DreamGymConfig) -> dict[str, Any]:
                        exp_parse_failures=s["parse_failures"], exp_overflows=s["overflows"],
                        exp_truncations=s["truncations"], exp_generated_tokens=s["mean_generated_tokens"],
                        dreamgym_iteration_s=time.perf_counter() - t0)
-        log.log(it + 1, metrics)
+        tracker.log(it + 1, metrics)
         train_curve.append((it + 1, synthetic_transitions, metrics["rollout_success"]))
+        bar.update()
         update = f"loss {metrics['loss']:.4f}" if "loss" in metrics else "no update (no group with unequal returns)"
-        print(f"iteration {it + 1}: {update}, synthetic success {metrics['rollout_success']:.3f}, generated tasks in "
-              f"batch {metrics['batch_generated_frac']:.2f}, pool {metrics['pool_tasks']} "
-              f"({metrics['dreamgym_iteration_s']:.1f} s)", flush=True)
+        echo(f"iteration {it + 1}: {update}, synthetic success {metrics['rollout_success']:.3f}, generated tasks in "
+             f"batch {metrics['batch_generated_frac']:.2f}, pool {metrics['pool_tasks']} "
+             f"({metrics['dreamgym_iteration_s']:.1f} s)")
         if (rl.eval_every and (it + 1) % rl.eval_every == 0) or it + 1 == rl.iterations:
           do_eval(it + 1)
+        if (rl.checkpoint_every and (it + 1) % rl.checkpoint_every == 0) or it + 1 == rl.iterations:
+          checkpoint(it + 1)
     save_model(learner.params, model_cfg, folder, out / "final")
-    curriculum.pool.save(out / "task_pool.json")
-    replay_size = len(buffer)
+    if tracker.primary:
+      curriculum.pool.save(out / "task_pool.json")
+    summary = {"algorithm": rl.algorithm, "iterations": rl.iterations, "real_transitions": 0,
+               "synthetic_transitions": synthetic_transitions, "initial": evals[0], "final": evals[-1],
+               "evals": evals, "generation": curriculum.generation_counts, "replay_size": len(buffer),
+               "seconds": time.perf_counter() - start, "checkpoint": str(out / "final"), "resumed_from": resume,
+               "run_id": tracker.run_id}
+    tracker.summary(summary)
+    plots()
   finally:
     real.close()
     buffer.close()
-    log.close()
-  summary = {"algorithm": rl.algorithm, "iterations": rl.iterations, "real_transitions": 0,
-             "synthetic_transitions": synthetic_transitions, "initial": evals[0], "final": evals[-1], "evals": evals,
-             "generation": curriculum.generation_counts, "replay_size": replay_size,
-             "seconds": time.perf_counter() - start, "checkpoint": str(out / "final")}
-  (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-  plot_learning_curve(evals, out / "learning_curve.svg", train=train_curve,
-                      title=f"DreamGym {rl.algorithm.upper()} ({rl.env} eval): held-out success (95% CI)",
-                      transitions="synthetic_transitions")
+    ckpt.close()
+    if tracker is not None:
+      tracker.close()
   return summary

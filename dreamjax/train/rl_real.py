@@ -135,6 +135,8 @@ class RLConfig:
   eval_batch: int = 0  # episodes per evaluation batch; 0: B * G
   eval_sampled: bool = False  # also evaluate at the rollout temperature (one sampled episode per task)
   out_dir: str = "runs/rl_real"
+  # Stop after the iteration that reaches this many real transitions (DreamGym-S2R's budget); 0: no budget.
+  max_real_transitions: int = 0
   checkpoint_every: int = 10  # iterations between checkpoints (also after the last); 0: only after the last
   keep_checkpoints: int = 3  # the last N checkpoints are kept
   track: TrackConfig = TrackConfig()
@@ -157,8 +159,9 @@ class RLConfig:
                  "iterations"):
       if getattr(self, name) < 1:
         raise ValueError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)}")
-    if self.eval_every < 0 or self.eval_batch < 0 or self.devices < 0 or self.checkpoint_every < 0:
-      raise ValueError("RLConfig: eval_every, eval_batch, devices and checkpoint_every must be >= 0")
+    if min(self.eval_every, self.eval_batch, self.devices, self.checkpoint_every, self.max_real_transitions) < 0:
+      raise ValueError("RLConfig: eval_every, eval_batch, devices, checkpoint_every and max_real_transitions must be "
+                       ">= 0")
     if self.keep_checkpoints < 1:
       raise ValueError(f"RLConfig.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
     if self.rows_per_step % self.micro_batches:
@@ -475,9 +478,16 @@ def run(cfg: RLConfig, env: BatchEnv | None = None) -> dict[str, Any]:
             "train_curve": train_curve, "tracker_run_id": tracker.run_id, "config": to_json(cfg)})
         plots()
 
+      def spent() -> bool:
+        return bool(cfg.max_real_transitions) and learner.real_transitions >= cfg.max_real_transitions
+
       if resume is None:
         do_eval(0)
+      last = first
       for it in range(first, cfg.iterations):
+        if spent():  # a resumed run whose budget ran out before its last checkpoint
+          break
+        last = it + 1
         metrics, _ = learner.iteration(env, draw_tasks(train_pool, cfg.tasks_per_iteration, it, cfg.seed), it)
         tracker.log(it + 1, metrics)
         train_curve.append((it + 1, metrics["real_transitions"], metrics["rollout_success"]))
@@ -485,12 +495,15 @@ def run(cfg: RLConfig, env: BatchEnv | None = None) -> dict[str, Any]:
         update = f"loss {metrics['loss']:.4f}" if "loss" in metrics else "no update (no group with unequal returns)"
         echo(f"iteration {it + 1}: {update}, rollout success {metrics['rollout_success']:.3f}, zero-variance groups "
              f"{metrics['zero_variance_group_frac']:.2f} ({metrics['iteration_s']:.1f} s)")
-        if (cfg.eval_every and (it + 1) % cfg.eval_every == 0) or it + 1 == cfg.iterations:
+        final = it + 1 == cfg.iterations or spent()
+        if (cfg.eval_every and (it + 1) % cfg.eval_every == 0) or final:
           do_eval(it + 1)
-        if (cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0) or it + 1 == cfg.iterations:
+        if (cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0) or final:
           checkpoint(it + 1)
+        if final:
+          break
     save_model(learner.params, model_cfg, folder, out / "final")
-    summary = {"algorithm": cfg.algorithm, "iterations": cfg.iterations, "real_transitions": learner.real_transitions,
+    summary = {"algorithm": cfg.algorithm, "iterations": last, "real_transitions": learner.real_transitions,
                "initial": evals[0], "final": evals[-1], "evals": evals, "seconds": time.perf_counter() - start,
                "checkpoint": str(out / "final"), "resumed_from": resume, "run_id": tracker.run_id}
     tracker.summary(summary)

@@ -1,0 +1,253 @@
+"""`dreamjax reproduce`: the paper's comparison end to end, stage by stage, into one run folder, then its table.
+
+Stages (each the library's own command on a sub-config, its paths rewired into `out_dir`):
+  data/        offline trajectories from the real env (`collect`)
+  exp_model/   M_exp trained on them (`train-exp`); exp_model_no_reasoning/ for that ablation
+  sft/         the policy SFT baseline and everyone's warm start (`train-policy`)
+  dpo/         DPO from the SFT policy (`dpo`), when configured
+  real_<alg>/seed<s>/       PPO/GRPO against the real env from the SFT policy (`rl`)
+  dreamgym_<alg>/seed<s>/   DreamGym from the SFT policy (`dreamgym`); ablations as dreamgym_grpo_<ablation>/
+  s2r_<alg>/seed<s>/        DreamGym-S2R: real-env RL from the DreamGym policy with a real-transition budget
+Every final policy is then evaluated by `dreamjax eval` with the same `eval` settings (same held-out tasks, greedy,
+optionally sampled), so the rows differ only by how the policy was trained. A stage whose summary.json (eval.json for
+evaluations) exists is reused: rerunning after a crash or with more seeds redoes only what is missing.
+
+The table (results.md, results.json, results.svg) has per method: offline real transitions behind it (the collected
+data: SFT/DPO train on it, DreamGym's M_exp too), online real transitions spent in training, synthetic transitions,
+held-out success as the mean over seeds with a 95% Wilson interval over all its episodes and the per-seed rates, and
+the training wall time (the cost comparison).
+
+Run: `dreamjax reproduce --config configs/reproduce_twx.py[:tiny]`; `make demo` runs configs/demo.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dreamjax.data.collect import CollectConfig
+from dreamjax.data.records import read_trajectories
+from dreamjax.train.dpo import DpoConfig
+from dreamjax.train.dreamgym import DreamGymConfig
+from dreamjax.train.eval_run import EvalRunConfig
+from dreamjax.train.exp_sft import ExpSftConfig
+from dreamjax.train.policy_sft import PolicySftConfig
+from dreamjax.train.rl_real import RLConfig
+from dreamjax.train.run import to_json, wilson_interval
+
+ABLATIONS = ("no_replay", "no_curriculum", "no_reasoning")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReproduceConfig:
+  collect: CollectConfig = CollectConfig()
+  exp: ExpSftConfig = ExpSftConfig()
+  sft: PolicySftConfig = PolicySftConfig()
+  dpo: DpoConfig | None = None
+  real: RLConfig | None = None  # the real-env baseline's settings (its algorithm is replaced per `algorithms`)
+  dreamgym: DreamGymConfig | None = None
+  algorithms: tuple[str, ...] = ("grpo",)  # run for real-env RL, DreamGym and S2R
+  s2r_transitions: int = 0  # DreamGym-S2R's real-transition budget; 0: no S2R rows
+  ablations: tuple[str, ...] = ()  # DreamGym GRPO without one component each (ABLATIONS)
+  eval: EvalRunConfig = EvalRunConfig()  # the common final evaluation (its checkpoint and out_dir are set per row)
+  seeds: tuple[int, ...] = (0,)
+  out_dir: str = "runs/reproduce"
+
+  def __post_init__(self):
+    unknown = [a for a in self.algorithms if a not in ("grpo", "ppo")] + [a for a in self.ablations
+                                                                         if a not in ABLATIONS]
+    if unknown:
+      raise ValueError(f"ReproduceConfig: unknown algorithm or ablation {unknown[0]!r} (algorithms: grpo, ppo; "
+                       f"ablations: {', '.join(ABLATIONS)})")
+    if not self.seeds or self.s2r_transitions < 0:
+      raise ValueError("ReproduceConfig: at least one seed, and s2r_transitions >= 0")
+    if (self.ablations or self.s2r_transitions) and self.dreamgym is None:
+      raise ValueError("ReproduceConfig: ablations and S2R need the dreamgym section")
+
+
+def as_algorithm(rl: RLConfig, algorithm: str) -> RLConfig:
+  """`rl` with PPO's or GRPO's advantage and objective settings (PPO: a critic on a value head, GAE over turns)."""
+  if algorithm == rl.algorithm:
+    return rl
+  if algorithm == "grpo":
+    return dataclasses.replace(rl, algorithm="grpo", advantage="grpo", gamma=1.0, lam=1.0, whiten_advantages=False,
+                               objective=dataclasses.replace(rl.objective, vf_coef=0.0))
+  return dataclasses.replace(rl, algorithm="ppo", advantage="gae_turn", gamma=0.95, lam=0.95, whiten_advantages=True,
+                             objective=dataclasses.replace(rl.objective, vf_coef=rl.objective.vf_coef or 0.5),
+                             drop_zero_variance_groups=False)
+
+
+def _stage(folder: Path, marker: str, fn: Callable[[], Any]) -> dict[str, Any]:
+  """Runs `fn` unless `folder/marker` exists (a finished earlier run); returns that file's contents."""
+  path = folder / marker
+  if not path.is_file():
+    print(f"== {folder}", flush=True)
+    fn()
+  return json.loads(path.read_text())
+
+
+def run(cfg: ReproduceConfig) -> dict[str, Any]:
+  from dreamjax.data.collect import run as collect
+  from dreamjax.train import dpo, dreamgym, eval_run, exp_sft, policy_sft, rl_real
+
+  out = Path(cfg.out_dir)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "config.json").write_text(json.dumps(to_json(cfg), indent=2, sort_keys=True))
+  t0 = time.perf_counter()
+  data = out / "data" / "trajectories.jsonl"
+  _stage(out / "data", "summary.json", lambda: collect(dataclasses.replace(cfg.collect, out_dir=str(out / "data"))))
+  offline = sum(r.num_steps for r in read_trajectories(data))
+
+  def exp_model(name: str, **fmt) -> str:
+    exp = dataclasses.replace(cfg.exp, trajectories=(str(data),), out_dir=str(out / name),
+                              format=dataclasses.replace(cfg.exp.format, **fmt))
+    return _stage(out / name, "summary.json", lambda: exp_sft.run(exp))["checkpoint"]
+
+  sft_cfg = dataclasses.replace(cfg.sft, data=(str(data),), out_dir=str(out / "sft"))
+  sft = _stage(out / "sft", "summary.json", lambda: policy_sft.run(sft_cfg))["checkpoint"]
+  rows: list[dict[str, Any]] = []
+
+  def add_row(method: str, runs: list[tuple[Path, dict[str, Any]]], uses_offline: bool) -> None:
+    """Evaluates each seed's final policy with the common settings and appends the method's row."""
+    evals = []
+    for folder, summary in runs:
+      ev = dataclasses.replace(cfg.eval, checkpoint=summary["checkpoint"], out_dir=str(folder / "eval"))
+      evals.append(_stage(folder / "eval", "eval.json", lambda ev=ev: eval_run.run(ev)))
+    rows.append(row(method, runs, evals, offline if uses_offline else 0))
+
+  add_row("SFT", [(out / "sft", {"checkpoint": sft, "seconds": _seconds(out / "sft")})], True)
+  if cfg.dpo is not None:
+    dpo_cfg = dataclasses.replace(cfg.dpo, data=(str(data),), checkpoint=sft, out_dir=str(out / "dpo"))
+    add_row("DPO", [(out / "dpo", _stage(out / "dpo", "summary.json", lambda: dpo.run(dpo_cfg)))], True)
+
+  def seeds(name: str, make: Callable[[int, Path], Any], runner: Callable[[Any], Any]) -> list:
+    runs = []
+    for s in cfg.seeds:
+      folder = out / name / f"seed{s}"
+      c = make(s, folder)
+      runs.append((folder, _stage(folder, "summary.json", lambda c=c: runner(c))))
+    return runs
+
+  def real_rl(alg: str, checkpoint: str, s: int, folder: Path, budget: int = 0) -> RLConfig:
+    rl = as_algorithm(cfg.real, alg)
+    return dataclasses.replace(rl, model=dataclasses.replace(rl.model, checkpoint=checkpoint), seed=s,
+                               out_dir=str(folder), max_real_transitions=budget)
+
+  if cfg.real is not None:
+    for alg in cfg.algorithms:
+      add_row(f"{alg.upper()} (real env)",
+              seeds(f"real_{alg}", lambda s, f, alg=alg: real_rl(alg, sft, s, f), rl_real.run), False)
+
+  def dream(alg: str, s: int, folder: Path, exp: str, **kw) -> DreamGymConfig:
+    d = cfg.dreamgym
+    rl = dataclasses.replace(as_algorithm(d.rl, alg), model=dataclasses.replace(d.rl.model, checkpoint=sft), seed=s)
+    return dataclasses.replace(d, rl=rl, exp_model=exp, offline_data=(str(data),), out_dir=str(folder), **kw)
+
+  if cfg.dreamgym is not None:
+    exp = exp_model("exp_model")
+    dream_runs = {}
+    for alg in cfg.algorithms:
+      dream_runs[alg] = seeds(f"dreamgym_{alg}", lambda s, f, alg=alg: dream(alg, s, f, exp), dreamgym.run)
+      add_row(f"DreamGym {alg.upper()}", dream_runs[alg], True)
+    if cfg.s2r_transitions:
+      for alg in cfg.algorithms:
+        starts = {s: summary["checkpoint"] for s, (_, summary) in zip(cfg.seeds, dream_runs[alg])}
+        add_row(f"DreamGym-S2R {alg.upper()}",
+                seeds(f"s2r_{alg}", lambda s, f, alg=alg, starts=starts: real_rl(alg, starts[s], s, f,
+                                                                                  cfg.s2r_transitions),
+                      rl_real.run), True)
+    for ablation in cfg.ablations:
+      kw: dict[str, Any] = {}
+      exp_ab = exp
+      if ablation == "no_replay":
+        kw["replay"] = False
+      elif ablation == "no_curriculum":
+        kw["curriculum"] = dataclasses.replace(cfg.dreamgym.curriculum, enabled=False)
+      else:
+        if not cfg.exp.format.reasoning:
+          raise ValueError("ReproduceConfig: the no_reasoning ablation needs exp.format.reasoning=true for the full "
+                           "M_exp")
+        exp_ab, kw["reasoning"] = exp_model("exp_model_no_reasoning", reasoning=False), False
+      add_row(f"DreamGym GRPO w/o {ablation[3:].replace('_', ' ')}",
+              seeds(f"dreamgym_grpo_{ablation}", lambda s, f, kw=kw, e=exp_ab: dream("grpo", s, f, e, **kw),
+                    dreamgym.run), True)
+
+  result = {"rows": rows, "seeds": list(cfg.seeds), "offline_transitions": offline,
+            "eval": to_json(cfg.eval.tasks), "seconds": time.perf_counter() - t0}
+  (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+  text = table(rows, cfg)
+  (out / "results.md").write_text(text + "\n")
+  (out / "results.svg").write_text(bar_chart(rows))
+  print(text, flush=True)
+  return result
+
+
+def _seconds(folder: Path) -> float | None:
+  path = folder / "summary.json"
+  if not path.is_file():
+    return None
+  s = json.loads(path.read_text())
+  return s.get("seconds") or s.get("train_seconds")
+
+
+def row(method: str, runs: list[tuple[Path, dict[str, Any]]], evals: list[dict[str, Any]], offline: int
+        ) -> dict[str, Any]:
+  successes, episodes = sum(e["successes"] for e in evals), sum(e["episodes"] for e in evals)
+  low, high = wilson_interval(successes, episodes)
+  per_seed = [e["success_rate"] for e in evals]
+  sampled = [e["sampled"]["success_rate"] for e in evals if "sampled" in e]
+  seconds = [s.get("seconds") for _, s in runs if s.get("seconds") is not None]
+  return {"method": method, "offline_transitions": offline,
+          "real_transitions": int(sum(s.get("real_transitions", 0) for _, s in runs) / len(runs)),
+          "synthetic_transitions": int(sum(s.get("synthetic_transitions", 0) for _, s in runs) / len(runs)),
+          "success_rate": successes / episodes, "ci_low": low, "ci_high": high, "per_seed": per_seed,
+          "sampled_success_rate": sum(sampled) / len(sampled) if sampled else None,
+          "seconds": sum(seconds) / len(seconds) if seconds else None, "folders": [str(f) for f, _ in runs]}
+
+
+def table(rows: list[dict[str, Any]], cfg: ReproduceConfig) -> str:
+  tasks = cfg.eval.tasks
+  head = (f"Held-out success on {tasks.count} {cfg.eval.env} tasks per game ({', '.join(tasks.games)}, split "
+          f"{tasks.split}{', ' + tasks.game_params if tasks.game_params else ''}), greedy, one episode per task; "
+          f"mean over seeds {list(cfg.seeds)} with a 95% Wilson interval over all their episodes. Offline: real "
+          f"transitions in the collected data the method learns from; online: real transitions spent in training "
+          f"(per seed); seconds: training wall time per seed.")
+  sampled = any(r["sampled_success_rate"] is not None for r in rows)
+  lines = [head, "", "| method | offline real | online real | synthetic | success [95% CI] | per seed |"
+           + (" sampled |" if sampled else "") + " seconds |",
+           "|---|---|---|---|---|---|" + ("---|" if sampled else "") + "---|"]
+  for r in rows:
+    cells = [r["method"], str(r["offline_transitions"]), str(r["real_transitions"]), str(r["synthetic_transitions"]),
+             f"{r['success_rate']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]",
+             ", ".join(f"{x:.3f}" for x in r["per_seed"])]
+    if sampled:
+      cells.append("" if r["sampled_success_rate"] is None else f"{r['sampled_success_rate']:.3f}")
+    cells.append("" if r["seconds"] is None else f"{r['seconds']:.0f}")
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def bar_chart(rows: list[dict[str, Any]]) -> str:
+  """Held-out success per method with its interval, as a self-contained SVG."""
+  w, h, left, top, bottom = 120 * max(1, len(rows)) + 80, 320, 60, 30, 90
+  ph = h - top - bottom
+  py = lambda y: top + ph * (1 - y)  # noqa: E731
+  parts = [f'<rect width="{w}" height="{h}" fill="white"/>']
+  for y in (0, 0.25, 0.5, 0.75, 1):
+    parts.append(f'<line x1="{left}" x2="{w - 20}" y1="{py(y):.1f}" y2="{py(y):.1f}" stroke="#eee"/>'
+                 f'<text x="{left - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y:g}</text>')
+  for i, r in enumerate(rows):
+    x = left + 20 + 120 * i
+    parts.append(f'<rect x="{x}" y="{py(r["success_rate"]):.1f}" width="80" '
+                 f'height="{ph * r["success_rate"]:.1f}" fill="#2060c0"/>'
+                 f'<line x1="{x + 40}" x2="{x + 40}" y1="{py(r["ci_low"]):.1f}" y2="{py(r["ci_high"]):.1f}" '
+                 f'stroke="#e08020" stroke-width="2"/>'
+                 f'<text x="{x + 40}" y="{h - bottom + 16}" text-anchor="middle" font-size="10">{r["method"]}</text>'
+                 f'<text x="{x + 40}" y="{h - bottom + 30}" text-anchor="middle" font-size="10">'
+                 f'{r["real_transitions"]} online real</text>')
+  return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
+          f'font-size="11">' + "".join(parts) + "</svg>\n")
