@@ -12,7 +12,7 @@ from dreamjax.config import load_config
 
 pytest.importorskip("textworld_express")
 
-SMALL = ["collect.policies=expert:12,random:4", "exp.steps=8", "exp.max_len=512", "sft.max_steps=8",
+SMALL = ["collect.policies=expert:12,random:4", "exp.steps=8", "exp.max_len=512", "sft.max_steps=40",
          "sft.eval.num_tasks=2", "sft.eval.num_envs=2", "eval.tasks.count=4", "eval.batch=4", "eval.sampled=false",
          "s2r_transitions=1"]
 for _rl in ("real", "dreamgym.rl"):
