@@ -25,13 +25,14 @@ import numpy as np
 import optax
 import pytest
 
-from dreamjax.models import abstract_params, init_params, load_hf_checkpoint, save_hf_checkpoint, tiny
+from dreamjax.models import abstract_params, load_hf_checkpoint, tiny
 from dreamjax.parallel import MeshConfig, make_mesh
 from dreamjax.rl.train_state import create_train_state, train_state_shardings
 from dreamjax.track import TrackConfig, Tracker, plot_metrics, progress, truncate_jsonl
 from dreamjax.train.checkpoint import RunCheckpointer, generator_state, restore_generator
 from dreamjax.train.run import read_metrics
 from tests import rl_resume_child as child
+from tests.warm_start import behaviour_clone
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMIT = "commit_success.txt"  # orbax's marker of a finished step (COMMIT_FILE atomicity)
@@ -306,13 +307,6 @@ def warm_start(twx, tmp_path_factory):
   """An HF folder with a weak behaviour-cloned policy: it sometimes finds the coin, so GRPO groups differ."""
   from dreamjax.data.collect import CollectConfig, collect
   from dreamjax.data.records import read_trajectories
-  from dreamjax.envs.textworld_express import INVALID_FEEDBACK
-  from dreamjax.rl.batch import sft_batch
-  from dreamjax.rl.objectives import make_objective
-  from dreamjax.rl.optim import OptimConfig, make_optimizer
-  from dreamjax.rl.update import make_train_step
-  from dreamjax.text import train_bpe_tokenizer
-  from dreamjax.train.policy_data import RowConfig, policy_texts, sft_rows
 
   root = tmp_path_factory.mktemp("warm")
   cfg = CollectConfig(games=("coin",), split="train", game_params=child.TWO_ROOMS, policies=("expert:8",),
@@ -320,18 +314,7 @@ def warm_start(twx, tmp_path_factory):
                       out_dir=str(root / "data"), build_tfds=False, progress=False)
   collect(cfg, batch=twx)
   records = read_trajectories(root / "data" / "trajectories.jsonl")
-  tok = train_bpe_tokenizer(policy_texts(records, child.FMT) * 2 + [INVALID_FEEDBACK], root / "tok", vocab_size=500)
-  model_cfg = tiny("qwen2", vocab_size=tok.vocab_size, num_layers=1, max_position_embeddings=512,
-                   eos_token_id=tok.eos_ids[0])
-  rows, _ = sft_rows(records, tok, child.FMT, RowConfig(), child.ROLLOUT)
-  batch = sft_batch([r.ids for r in rows], [r.loss_mask for r in rows], pad_to=64)
-  optimizer = make_optimizer(OptimConfig(lr=3e-3))
-  step = make_train_step(model_cfg, make_objective("sft"), optimizer)
-  state = create_train_state(model_cfg, init_params(model_cfg, jax.random.key(0)), optimizer)
-  for i in range(25):
-    state, _ = step(state, batch, jax.random.key(i))
-  save_hf_checkpoint(jax.device_get(state.params), model_cfg, root / "policy", tokenizer_folder=root / "tok")
-  return root / "policy"
+  return behaviour_clone(records, child.FMT, child.ROLLOUT, root)[0]
 
 
 def _untimed(row):

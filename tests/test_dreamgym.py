@@ -20,22 +20,18 @@ from dreamjax.curriculum.pool import TaskPool
 from dreamjax.data.collect import CollectConfig, collect
 from dreamjax.data.records import read_trajectories
 from dreamjax.envs.base import SerialBatchEnv
-from dreamjax.envs.textworld_express import INVALID_FEEDBACK, TextWorldExpressEnv
-from dreamjax.models import init_params, load_hf_checkpoint, save_hf_checkpoint, tiny
+from dreamjax.envs.textworld_express import TextWorldExpressEnv
+from dreamjax.models import load_hf_checkpoint
 from dreamjax.replay.buffer import ReplayBuffer
-from dreamjax.rl.batch import sft_batch
-from dreamjax.rl.objectives import PolicyGradientConfig, make_objective
-from dreamjax.rl.optim import OptimConfig, make_optimizer
-from dreamjax.rl.train_state import create_train_state
-from dreamjax.rl.update import make_train_step
+from dreamjax.rl.objectives import PolicyGradientConfig
+from dreamjax.rl.optim import OptimConfig
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
-from dreamjax.text import train_bpe_tokenizer
 from dreamjax.train.dreamgym import CurriculumConfig, DreamGymConfig, run
 from dreamjax.train.exp_sft import run as train_exp
-from dreamjax.train.policy_data import RowConfig, policy_texts, sft_rows
 from dreamjax.train.rl_real import RLConfig, TaskSpec
 from dreamjax.train.run import ModelSource, read_metrics
+from tests.warm_start import behaviour_clone
 
 pytest.importorskip("textworld_express")
 
@@ -65,18 +61,8 @@ def parts(twx, tmp_path_factory):
   exp = load_config("configs/train_exp_twx.py:tiny", [f"trajectories={data}", f"out_dir={root / 'exp'}", "steps=12",
                                                       "eval_every=0", "held_out_fraction=0", "max_len=512"])
   exp_summary = train_exp(exp)
-  tok = train_bpe_tokenizer(policy_texts(records, FMT) * 2 + [INVALID_FEEDBACK], root / "tok", vocab_size=500)
-  model_cfg = tiny("qwen2", vocab_size=tok.vocab_size, num_layers=1, max_position_embeddings=512,
-                   eos_token_id=tok.eos_ids[0])
-  rows, _ = sft_rows([r for r in records if r.policy == "expert"], tok, FMT, RowConfig(), ROLLOUT)
-  batch = sft_batch([r.ids for r in rows], [r.loss_mask for r in rows], pad_to=64)
-  optimizer = make_optimizer(OptimConfig(lr=3e-3))
-  step = make_train_step(model_cfg, make_objective("sft"), optimizer)
-  state = create_train_state(model_cfg, init_params(model_cfg, jax.random.key(0)), optimizer)
-  for i in range(25):
-    state, _ = step(state, batch, jax.random.key(i))
-  save_hf_checkpoint(jax.device_get(state.params), model_cfg, root / "policy", tokenizer_folder=root / "tok")
-  return data, Path(exp_summary["checkpoint"]), root / "policy"
+  policy, _ = behaviour_clone([r for r in records if r.policy == "expert"], FMT, ROLLOUT, root)
+  return data, Path(exp_summary["checkpoint"]), policy
 
 
 def _config(parts, out: Path, **kw) -> DreamGymConfig:

@@ -20,18 +20,14 @@ from dreamjax.config import load_config
 from dreamjax.data.collect import CollectConfig, collect
 from dreamjax.data.records import read_trajectories
 from dreamjax.envs.base import SerialBatchEnv, Task
-from dreamjax.envs.textworld_express import INVALID_FEEDBACK, TextWorldExpressEnv, tasks
-from dreamjax.models import init_params, load_hf_checkpoint, save_hf_checkpoint, tiny
-from dreamjax.rl.batch import sft_batch
-from dreamjax.rl.objectives import PolicyGradientConfig, make_objective
-from dreamjax.rl.optim import OptimConfig, make_optimizer
-from dreamjax.rl.train_state import create_train_state
-from dreamjax.rl.update import make_train_step
+from dreamjax.envs.textworld_express import TextWorldExpressEnv, tasks
+from dreamjax.models import init_params, load_hf_checkpoint
+from dreamjax.rl.objectives import PolicyGradientConfig
+from dreamjax.rl.optim import OptimConfig
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
-from dreamjax.text import Kind, train_bpe_tokenizer
+from dreamjax.text import Kind
 from dreamjax.train.evaluate import evaluate, unparsed_rows
-from dreamjax.train.policy_data import RowConfig, policy_texts, sft_rows
 from dreamjax.parallel import make_mesh
 from dreamjax.train.rl_real import (
     PHASE_ROLLOUT,
@@ -46,6 +42,7 @@ from dreamjax.train.rl_real import (
     zero_variance_groups,
 )
 from dreamjax.train.run import ModelSource, load_model, read_metrics, wilson_interval
+from tests.warm_start import behaviour_clone
 
 pytest.importorskip("textworld_express")
 
@@ -87,18 +84,7 @@ def warm_start(twx, tmp_path_factory):
                       build_tfds=False, progress=False)
   collect(cfg, batch=twx)
   records = read_trajectories(root / "data" / "trajectories.jsonl")
-  tok = train_bpe_tokenizer(policy_texts(records, FMT) * 2 + [INVALID_FEEDBACK], root / "tok", vocab_size=500)
-  model_cfg = tiny("qwen2", vocab_size=tok.vocab_size, num_layers=1, max_position_embeddings=512,
-                   eos_token_id=tok.eos_ids[0])
-  rows, _ = sft_rows(records, tok, FMT, RowConfig(), ROLLOUT)
-  batch = sft_batch([r.ids for r in rows], [r.loss_mask for r in rows], pad_to=64)
-  optimizer = make_optimizer(OptimConfig(lr=3e-3))
-  step = make_train_step(model_cfg, make_objective("sft"), optimizer)
-  state = create_train_state(model_cfg, init_params(model_cfg, jax.random.key(0)), optimizer)
-  for i in range(25):
-    state, metrics = step(state, batch, jax.random.key(i))
-  save_hf_checkpoint(jax.device_get(state.params), model_cfg, root / "policy", tokenizer_folder=root / "tok")
-  return root / "policy", float(metrics["loss"])
+  return behaviour_clone(records, FMT, ROLLOUT, root)
 
 
 def _config(warm_start, out: Path, algorithm: str = "grpo", **kw) -> RLConfig:

@@ -72,13 +72,13 @@ from dreamjax.train.rl_real import (
     _eval_row,
     draw_tasks,
     episode_returns,
+    load_policy,
     make_batch_env,
     phase_key,
-    tokenizer_texts,
 )
 from dreamjax.track import Tracker, echo, progress, truncate_jsonl
 from dreamjax.train.checkpoint import RunCheckpointer
-from dreamjax.train.run import build_tiny_checkpoint, load_model, save_model, to_json
+from dreamjax.train.run import load_model, save_model, to_json
 
 PHASE_SYNTHETIC, PHASE_CURRICULUM, PHASE_GENERATION, PHASE_CLUSTERS = 10, 11, 12, 13
 
@@ -325,16 +325,7 @@ def run(cfg: DreamGymConfig) -> dict[str, Any]:
   tracker = None
   start = time.perf_counter()
   try:
-    init_model = out / "init_model"
-    if rl.model.checkpoint:
-      folder = Path(rl.model.checkpoint)
-    elif resume is not None and (init_model / "config.json").is_file():
-      folder = init_model
-    else:
-      folder = build_tiny_checkpoint(dataclasses.replace(rl.model, value_head=rl.model.value_head or
-                                                         rl.algorithm == "ppo"),
-                                     tokenizer_texts(rl.agent, real, seeds, rl.rows), init_model, rl.seed)
-    model_cfg, params, tok = load_model(folder, value_head=rl.algorithm == "ppo", mesh=mesh, seed=rl.seed)
+    folder, model_cfg, params, tok = load_policy(rl, out, resume is not None, real, seeds, mesh)
     learner = RealEnvRL(rl, model_cfg, params, tok, mesh)
     if resume is not None:
       arrays, _ = ckpt.restore(resume, like=learner.checkpoint_arrays() | {"curriculum": curriculum.pool.state})

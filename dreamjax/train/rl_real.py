@@ -392,6 +392,23 @@ def _config_changes(saved: Any, current: Any, prefix: str = "") -> list[str]:
                                                                                  f"{prefix}{k}.")]
 
 
+def load_policy(cfg: RLConfig, out: Path, resuming: bool, env: BatchEnv, pool: list[Task], mesh
+                ) -> tuple[Path, ModelConfig, Any, Tokenizer]:
+  """(HF folder, model config, params, tokenizer) of the policy: `cfg.model.checkpoint`, or a tiny model built in
+  out/init_model with a tokenizer trained on the tasks' text (a resumed run loads the one it first built)."""
+  init_model = out / "init_model"
+  if cfg.model.checkpoint:
+    folder = Path(cfg.model.checkpoint)
+  elif resuming and (init_model / "config.json").is_file():
+    folder = init_model
+  else:
+    folder = build_tiny_checkpoint(dataclasses.replace(cfg.model, value_head=cfg.model.value_head or
+                                                       cfg.algorithm == "ppo"),
+                                   tokenizer_texts(cfg.agent, env, pool, cfg.rows), init_model, cfg.seed)
+  model_cfg, params, tok = load_model(folder, value_head=cfg.algorithm == "ppo", mesh=mesh, seed=cfg.seed)
+  return folder, model_cfg, params, tok
+
+
 def run(cfg: RLConfig, env: BatchEnv | None = None) -> dict[str, Any]:
   """The `dreamjax rl` command: trains (resuming from the latest checkpoint in `out_dir` when there is one),
   evaluates, writes the run folder; returns the summary. `env` may be any BatchEnv taking `cfg.rows` rows (it is not
@@ -418,16 +435,7 @@ def run(cfg: RLConfig, env: BatchEnv | None = None) -> dict[str, Any]:
   tracker = None
   start = time.perf_counter()
   try:
-    init_model = out / "init_model"
-    if cfg.model.checkpoint:
-      folder = Path(cfg.model.checkpoint)
-    elif resume is not None and (init_model / "config.json").is_file():
-      folder = init_model  # the run's own tiny model and tokenizer, as first built
-    else:
-      folder = build_tiny_checkpoint(dataclasses.replace(cfg.model, value_head=cfg.model.value_head or
-                                                         cfg.algorithm == "ppo"),
-                                     tokenizer_texts(cfg.agent, env, train_pool, cfg.rows), init_model, cfg.seed)
-    model_cfg, params, tok = load_model(folder, value_head=cfg.algorithm == "ppo", mesh=mesh, seed=cfg.seed)
+    folder, model_cfg, params, tok = load_policy(cfg, out, resume is not None, env, train_pool, mesh)
     learner = RealEnvRL(cfg, model_cfg, params, tok, mesh)
     if resume is not None:
       arrays, meta = ckpt.restore(resume, like=learner.checkpoint_arrays())
