@@ -1,12 +1,13 @@
 """Offline ALFWorld trajectories on locally generated games: 2,000 episodes over the 6 task types.
 
 Run:   dreamjax collect --config configs/collect_alfworld.py
-Tiny (CPU, a few minutes):
-       dreamjax collect --config configs/collect_alfworld.py --set policies=expert:6,random:6 \
-         --set out_dir=runs/collect/alfworld_tiny
+Tiny (CPU, a few minutes): 12 episodes (expert and random) over the 6 task types:
+       dreamjax collect --config configs/collect_alfworld.py:tiny
 Resume: rerun the same command; episodes already in out_dir/trajectories.jsonl are skipped.
 Games are generated on first use and cached under $ALFWORLD_DATA (default .cache/alfworld).
 """
+
+import dataclasses
 
 from dreamjax.data.collect import CollectConfig
 
@@ -24,3 +25,7 @@ def config() -> CollectConfig:
       out_dir="runs/collect/alfworld",
       seed=0,
   )
+
+
+def tiny() -> CollectConfig:
+  return dataclasses.replace(config(), policies=("expert:6", "random:6"), out_dir="runs/collect/alfworld_tiny")

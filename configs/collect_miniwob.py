@@ -1,11 +1,12 @@
 """Offline MiniWoB++ trajectories (BrowserGym on Debian's Chromium) over the tasks with scripted experts.
 
 Run:   dreamjax collect --config configs/collect_miniwob.py
-Tiny (CPU, a few minutes):
-       dreamjax collect --config configs/collect_miniwob.py --set games=click-button,enter-text \
-         --set policies=expert:4,random:4 --set out_dir=runs/collect/miniwob_tiny
+Tiny (CPU, a few minutes): 8 episodes (expert and random) of click-button and enter-text:
+       dreamjax collect --config configs/collect_miniwob.py:tiny
 Resume: rerun the same command; episodes already in out_dir/trajectories.jsonl are skipped.
 """
+
+import dataclasses
 
 from dreamjax.data.collect import CollectConfig
 
@@ -23,3 +24,8 @@ def config() -> CollectConfig:
       out_dir="runs/collect/miniwob",
       seed=0,
   )
+
+
+def tiny() -> CollectConfig:
+  return dataclasses.replace(config(), games=("click-button", "enter-text"), policies=("expert:4", "random:4"),
+                             out_dir="runs/collect/miniwob_tiny")

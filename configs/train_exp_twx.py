@@ -6,11 +6,9 @@ Run (accelerator; an HF Llama/Qwen instruct folder, trajectories from configs/co
 Ablations: add --set format.reasoning=false (or format.history=false, format.retrieval=false) and another out_dir;
 experiments/exp_model_quality.py trains and scores all of them.
 
-Tiny (CPU, a few minutes): collect a small coin dataset, then train a tiny model from scratch on it:
-       dreamjax collect --config configs/collect_twx.py --set games=coin \
-         --set game_params=numLocations=2,includeDoors=0,numDistractorItems=0 \
-         --set policies=expert:150,random:50,eps0.5:100 --set env_kwargs=step_limit=8 \
-         --set num_workers=0 --set rows_per_worker=8 --set build_tfds=false --set out_dir=runs/collect/twx_coin_tiny
+Tiny (CPU, a few minutes): collect the small coin dataset (runs/collect/twx_coin_tiny), then train a tiny model
+from scratch on it:
+       dreamjax collect --config configs/collect_twx.py:tiny
        dreamjax train-exp --config configs/train_exp_twx.py:tiny
 """
 

@@ -15,6 +15,8 @@ COMMANDS = {
                   "table; `make demo` runs its tiny default", "dreamjax.reproduce:run"),
     "collect": ("run expert/random/eps policies on a real env; write trajectories (JSONL, TFDS) and a summary",
                 "dreamjax.data.collect:run"),
+    "annotate": ("write per-step reasoning and task tutorials for collected trajectories (rule-based, or a teacher LLM "
+                 "behind an OpenAI-compatible endpoint); resumable", "dreamjax.experience.annotate_run:run"),
     "train-exp": ("train the experience model (SFT, Eq. 5) on offline trajectories; report its fidelity",
                   "dreamjax.train.exp_sft:run"),
     "train-policy": ("behaviour-clone a policy on expert trajectories (the SFT baseline and RL warm start)",

@@ -1,14 +1,14 @@
 """Rule-based reasoning annotation on real TextWorld-Express episodes and on ALFWorld/MiniWoB records built with those
-envs' own state mappers; annotation files (strict reading, resume) and the annotate_reasoning CLI."""
+envs' own state mappers; annotation files (strict reading, resume) and `dreamjax annotate`."""
 
 import dataclasses
-import importlib.util
 import json
 import re
 from pathlib import Path
 
 import pytest
 
+from dreamjax.cli import main
 from dreamjax.data.jsonl import JsonlWriter, PartialRecordWarning
 from dreamjax.data.records import StepRecord, TrajectoryRecord, read_trajectories, transitions
 from dreamjax.envs import alfworld as aw
@@ -26,16 +26,11 @@ from dreamjax.experience.annotate import (
     write_annotations,
 )
 from dreamjax.experience.annotate_rules import text_fields
+from dreamjax.experience.annotate_run import AnnotateConfig, collected_step_limit
+from dreamjax.experience.annotate_run import run as annotate_run
 from dreamjax.experience.format import ExpFormatConfig, parse_output, transition_target
 
-TOOL = Path(__file__).parent.parent / "tools" / "annotate_reasoning.py"
-
-
-def _tool():
-  spec = importlib.util.spec_from_file_location("annotate_reasoning", TOOL)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+CONFIG = str(Path(__file__).parent.parent / "configs" / "annotate_twx.py")
 
 
 def _record(env, task_id, steps, instruction="Do it.", policy="expert", **params) -> TrajectoryRecord:
@@ -347,12 +342,53 @@ def test_annotate_file_resumes(tmp_path):
 
 def test_cli_rules(twx, capsys):
   out_dir, records, _ = twx
-  tool = _tool()
-  assert tool.collected_step_limit(out_dir / "trajectories.jsonl") == 50
-  assert tool.main([str(out_dir / "trajectories.jsonl"), "--limit", "2"]) == 0
-  assert tool.main([str(out_dir / "trajectories.jsonl")]) == 0
+  src = out_dir / "trajectories.jsonl"
+  assert collected_step_limit(src) == 50
+  args = ["annotate", "--config", f"{CONFIG}:tiny", "--set", f"trajectories={src}", "--set", "progress=false"]
+  assert main(args + ["--set", "limit=2"]) == 0
+  assert main(args) == 0
   summary = json.loads(capsys.readouterr().out.split("\n}\n")[1] + "\n}")
   assert (summary["annotated"], summary["already_done"], summary["step_limit"]) == (len(records) - 2, 2, 50)
+  assert summary["out"] == str(out_dir / "annotations.rules.jsonl")
   written = read_annotations(out_dir / "annotations.rules.jsonl")
   expected = {r.episode_id: a for r, a in _twx_annotations(twx)}
   assert written == {k: v for k, v in expected.items() if k in written} and len(written) == len(records)
+  # A step limit set in the config wins over collect_config.json: a 50-step failure is no longer a step-limit ending.
+  cfg = AnnotateConfig(trajectories=str(src), out=str(out_dir / "limit7.jsonl"), step_limit=7, progress=False)
+  first, again = annotate_run(cfg), annotate_run(cfg)
+  assert (first["annotated"], first["step_limit"], again["annotated"], again["already_done"]) == (len(records), 7, 0,
+                                                                                                 len(records))
+  limit7 = read_annotations(out_dir / "limit7.jsonl")
+  rules7 = rule_annotator("textworld_express", 7, success_references(records))
+  assert limit7 == {r.episode_id: rules7.annotate(r) for r in records}
+  assert any(limit7[k].reasons[-1] != written[k].reasons[-1] for k in written)
+
+
+def test_cli_errors_name_the_field_or_file(tmp_path, capsys):
+  def fails(*sets: str) -> str:
+    args = ["annotate", "--config", CONFIG]
+    for item in sets:
+      args += ["--set", item]
+    assert main(args) == 2
+    return capsys.readouterr().err
+
+  src = tmp_path / "trajectories.jsonl"
+  assert "AnnotateConfig.trajectories: " + str(src) + " does not exist" in fails(f"trajectories={src}")
+  assert "AnnotateConfig.annotator must be one of ('rules', 'teacher'), got 'llm'" in fails("annotator=llm")
+  assert "AnnotateConfig.workers must be >= 1" in fails("workers=0")
+  assert "TeacherConfig.on_failure must be one of" in fails("teacher.on_failure=ignore")
+  assert "field 'teacher.timeout_s' expects float" in fails("teacher.timeout_s=soon")
+  assert "unknown field 'teacher.url'" in fails("teacher.url=http://x")
+  records = [_miniwob_record(), _alfworld_record()]
+  with JsonlWriter(src) as w:
+    for r in records:
+      w.write(r.to_json())
+  assert f"{src} mixes envs ['alfworld', 'miniwob']" in fails(f"trajectories={src}")
+  src.write_text(json.dumps(records[0].to_json()) + "\n")
+  err = fails(f"trajectories={src}", "annotator=teacher", "teacher.model=m")
+  assert "annotator 'teacher' needs teacher.base_url (e.g. --set teacher.base_url=" in err
+  src.write_text(json.dumps(records[0].to_json() | {"num_steps": "3"}) + "\n")
+  assert f"{src}:1: field 'num_steps'" in fails(f"trajectories={src}")
+  (tmp_path / "collect_config.json").write_text("{broken")
+  assert "collect_config.json: not valid JSON" in fails(f"trajectories={src}")
+  assert not (tmp_path / "annotations.rules.jsonl").exists()  # nothing written for bad input

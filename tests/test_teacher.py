@@ -5,8 +5,8 @@ step's action and validity), and follows a script of failures: HTTP 500/429/401,
 JSON, a wrong number of reasons, a forbidden tag, and a slow answer past the client's timeout.
 """
 
+import dataclasses
 import http.server
-import importlib.util
 import json
 import re
 import socket
@@ -16,11 +16,14 @@ from pathlib import Path
 
 import pytest
 
+from dreamjax.cli import main
 from dreamjax.data.jsonl import JsonlWriter
 from dreamjax.data.records import StepRecord, TrajectoryRecord
 from dreamjax.envs.base import Task
 from dreamjax.experience.annotate import annotate_file, read_annotations, rule_annotator
 from dreamjax.experience.teacher import SYSTEM_PROMPT, TeacherAnnotator, TeacherError, parse_answer, render_episode
+
+CONFIG = str(Path(__file__).parent.parent / "configs" / "annotate_twx.py")
 
 
 def expected_answer(user: str) -> dict:
@@ -223,13 +226,78 @@ def test_annotate_file_and_cli_with_the_teacher(server, tmp_path, capsys):
   assert list(written) == [r.episode_id for r in records]  # file order, whatever order the threads finished in
   for r in records:
     assert written[r.episode_id].reasons == tuple(expected_answer(render_episode(r))["reasons"])
-  spec = importlib.util.spec_from_file_location("annotate_reasoning", Path(__file__).parent.parent / "tools" /
-                                                "annotate_reasoning.py")
-  tool = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(tool)
-  # A fresh output over the same cache: every answer comes from disk.
-  assert tool.main([str(src), "--annotator", "teacher", "--base-url", server.base_url, "--model", "teacher-model",
-                    "--cache-dir", str(tmp_path / "cache"), "--out", str(tmp_path / "b.jsonl")]) == 0
+  # `dreamjax annotate` with a fresh output over the same cache: every answer comes from disk.
+  assert main(["annotate", "--config", CONFIG, "--set", f"trajectories={src}", "--set", "annotator=teacher",
+               "--set", f"teacher.base_url={server.base_url}", "--set", "teacher.model=teacher-model",
+               "--set", f"teacher.cache_dir={tmp_path / 'cache'}", "--set", f"out={tmp_path / 'b.jsonl'}"]) == 0
   out = json.loads(capsys.readouterr().out)
   assert (out["annotated"], out["requests"], out["cache_hits"]) == (5, 0, 5) and len(server.calls) == 5
   assert read_annotations(tmp_path / "b.jsonl") == written
+
+
+def _failed(i: int, n: int) -> TrajectoryRecord:
+  """An episode the env ended at its step limit of n steps, without success."""
+  r = _record(i, n)
+  last = dataclasses.replace(r.steps[-1], reward=0.0, success=False)
+  return dataclasses.replace(r, steps=r.steps[:-1] + (last,), success=False, score=0.0)
+
+
+def _write_records(path: Path, records) -> Path:
+  with JsonlWriter(path) as w:
+    for r in records:
+      w.write(r.to_json())
+  return path
+
+
+def test_cli_teacher_settings(server, tmp_path, capsys, monkeypatch):
+  monkeypatch.setenv("DREAMJAX_TEST_KEY", "sk-cli")
+  records = [_record(0, 2), _failed(1, 3), _record(2, 2), _record(3, 3)]
+  src = _write_records(tmp_path / "data" / "trajectories.jsonl", records)
+  (tmp_path / "data" / "collect_config.json").write_text(json.dumps({"env_kwargs": ["step_limit=3"]}))
+  args = ["annotate", "--config", CONFIG, "--set", f"trajectories={src}", "--set", "annotator=teacher",
+          "--set", f"teacher.base_url={server.base_url}", "--set", "teacher.model=teacher-model",
+          "--set", "teacher.api_key_env=DREAMJAX_TEST_KEY", "--set", "teacher.json_mode=false",
+          "--set", "teacher.temperature=0.5", "--set", "workers=2", "--set", "progress=false"]
+  assert main(args + ["--set", "limit=3"]) == 0
+  summary = json.loads(capsys.readouterr().out)
+  out = tmp_path / "data" / "annotations.teacher.jsonl"  # the default output, beside the input
+  assert (summary["annotated"], summary["requests"], summary["step_limit"], summary["out"]) == (3, 3, 3, str(out))
+  assert [c["auth"] for c in server.calls] == ["Bearer sk-cli"] * 3
+  for call in server.calls:
+    body = call["body"]
+    assert "response_format" not in body and body["temperature"] == 0.5 and body["model"] == "teacher-model"
+  # The teacher is told why the failed episode ended: the step limit from collect_config.json.
+  users = {c["body"]["messages"][1]["content"] for c in server.calls}
+  assert render_episode(records[1], step_limit=3) in users
+  assert "Outcome: failure (the step limit was reached) after 3 steps" in render_episode(records[1], step_limit=3)
+  assert len(list((tmp_path / "data" / "teacher_cache").glob("**/*.json"))) == 3  # default cache, beside the output
+  # The rerun resumes: one episode left, one request.
+  assert main(args) == 0
+  summary = json.loads(capsys.readouterr().out)
+  assert (summary["annotated"], summary["already_done"], summary["requests"]) == (1, 3, 1) and len(server.calls) == 4
+  assert list(read_annotations(out)) == [f"expert:coin/train/{i}" for i in range(4)]
+
+
+def test_cli_teacher_failures(server, tmp_path, capsys):
+  src = _write_records(tmp_path / "trajectories.jsonl", [_record(i) for i in range(3)])
+  args = ["annotate", "--config", CONFIG, "--set", f"trajectories={src}", "--set", "annotator=teacher",
+          "--set", f"teacher.base_url={server.base_url}", "--set", "teacher.model=teacher-model",
+          "--set", f"teacher.cache_dir={tmp_path / 'cache'}", "--set", "teacher.max_retries=1"]
+  # The first episode is answered; the second fails twice: exit code 2, the message names it, the first stays.
+  server.script[:] = ["ok", "500", "500"]
+  assert main(args) == 2
+  err = capsys.readouterr().err
+  assert "episode 'expert:coin/train/1' failed after 2 attempts: HTTP 500" in err and "rerun to resume" in err
+  out = tmp_path / "annotations.teacher.jsonl"
+  assert list(read_annotations(out)) == ["expert:coin/train/0"]
+  server.script[:] = ["401"]  # a misconfiguration is not retried
+  assert main(args) == 2 and "HTTP 401" in capsys.readouterr().err and len(server.calls) == 4
+  # With on_failure=fallback the failed episode gets the rule-based annotation and the run completes.
+  server.script[:] = ["500", "500"]
+  with pytest.warns(UserWarning, match="using rules:textworld_express instead"):
+    assert main(args + ["--set", "teacher.on_failure=fallback"]) == 0
+  summary = json.loads(capsys.readouterr().out)
+  assert (summary["annotated"], summary["already_done"], summary["fallbacks"]) == (2, 1, 1)
+  written = read_annotations(out)
+  assert written["expert:coin/train/1"].annotator == "rules:textworld_express (teacher fallback)"
+  assert written["expert:coin/train/2"].annotator == "teacher:teacher-model"

@@ -16,13 +16,15 @@ Fixed shapes: every batch is padded to the same row count (the largest batch of 
 micro-batch fits, see `_rows_per_micro`) and the same length (`pad_to`, or the longest row rounded up to 64), so the
 step compiles once. Pairs are shuffled per epoch by `(seed, epoch)`.
 
+Tracking as in policy SFT (`dreamjax.track.Tracker`, `track`): config.json, a fresh metrics.jsonl per run,
+summary.json, W&B when `track.wandb` asks for it, and a progress bar over the update steps.
+
 Run: `dreamjax dpo --config configs/dpo_twx.py[:variant] [--set key=value ...]`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Sequence
@@ -41,6 +43,7 @@ from dreamjax.rl.train_state import create_train_state
 from dreamjax.rl.update import data_parallel_size, make_train_step
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
+from dreamjax.track import Tracker, TrackConfig, echo, progress
 from dreamjax.train.policy_data import PairConfig, PreferencePair, preference_pairs
 from dreamjax.train.policy_sft import (
     EvalConfig,
@@ -52,7 +55,7 @@ from dreamjax.train.policy_sft import (
     read_records,
     training_tasks,
 )
-from dreamjax.train.run import load_model, open_run, save_model
+from dreamjax.train.run import load_model, save_model, to_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +85,7 @@ class DpoConfig:
   log_every: int = 10
   out_dir: str = "runs/dpo/twx"
   seed: int = 0
+  track: TrackConfig = TrackConfig()
 
   def __post_init__(self):
     check_loop_settings(self, ("pairs_per_step", "micro_batches", "epochs", "score_batch", "log_every"),
@@ -141,7 +145,12 @@ def run(cfg: DpoConfig, env=None) -> dict[str, Any]:
   t_start = time.perf_counter()
   if not cfg.checkpoint or not (Path(cfg.checkpoint) / "config.json").is_file():
     raise ValueError(f"checkpoint: {cfg.checkpoint!r} is not an HF checkpoint folder (train one with policy SFT)")
-  out, log = open_run(cfg.out_dir, cfg)
+  out = Path(cfg.out_dir)
+  with Tracker(out, to_json(cfg), cfg.track) as tracker:
+    return _train(cfg, env, out, tracker, t_start)
+
+
+def _train(cfg: DpoConfig, env, out: Path, tracker: Tracker, t_start: float) -> dict[str, Any]:
   mesh = mesh_of(cfg.mesh, cfg.devices)
   records = read_records(cfg.data)
   model_cfg, params, tokenizer = load_model(cfg.checkpoint, mesh=mesh, rules=TRAIN_RULES, seed=cfg.seed)
@@ -176,29 +185,30 @@ def run(cfg: DpoConfig, env=None) -> dict[str, Any]:
   history, evals = [], []
   try:
     if cfg.eval.at_start:
-      evals.append(evaluate_and_log(evaluator, state.params, key, 0, log))
+      evals.append(evaluate_and_log(evaluator, state.params, key, 0, tracker))
     step, t_train = 0, time.perf_counter()
-    for epoch, order in enumerate(orders):
-      for s in range(0, len(order), cfg.pairs_per_step):
-        if step >= total:
-          break
-        group = [pairs[i].as_rows() for i in order[s:s + cfg.pairs_per_step]]
-        batch = dpo_batch(group, micro_batches=cfg.micro_batches, pad_to=length,
-                          row_multiple=per_micro * cfg.micro_batches)
-        state, metrics = step_fn(state, with_reference(batch, ref), jax.random.fold_in(key, step))
-        step += 1
-        if step % cfg.log_every == 0 or step == total or step == 1:
-          row = log.log(step, jax.device_get(metrics), epoch=epoch)
-          history.append(row)
-          print(f"dpo step {step}/{total}: loss {row['loss']:.4f}, margin {row['margin']:.4f}, reward accuracy "
-                f"{row['reward_accuracy']:.3f}", flush=True)
-        if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total:
-          evals.append(evaluate_and_log(evaluator, state.params, key, step, log))
+    with progress(total, "dpo", unit="step", enabled=cfg.track.progress and tracker.primary) as bar:
+      for epoch, order in enumerate(orders):
+        for s in range(0, len(order), cfg.pairs_per_step):
+          if step >= total:
+            break
+          group = [pairs[i].as_rows() for i in order[s:s + cfg.pairs_per_step]]
+          batch = dpo_batch(group, micro_batches=cfg.micro_batches, pad_to=length,
+                            row_multiple=per_micro * cfg.micro_batches)
+          state, metrics = step_fn(state, with_reference(batch, ref), jax.random.fold_in(key, step))
+          step += 1
+          bar.update()
+          if step % cfg.log_every == 0 or step == total or step == 1:
+            row = tracker.log(step, jax.device_get(metrics), epoch=epoch)
+            history.append(row)
+            echo(f"dpo step {step}/{total}: loss {row['loss']:.4f}, margin {row['margin']:.4f}, reward accuracy "
+                 f"{row['reward_accuracy']:.3f}")
+          if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total:
+            evals.append(evaluate_and_log(evaluator, state.params, key, step, tracker))
     train_s = time.perf_counter() - t_train
-    evals.append(evaluate_and_log(evaluator, state.params, key, step, log))
+    evals.append(evaluate_and_log(evaluator, state.params, key, step, tracker))
   finally:
     evaluator.close()
-    log.close()
   checkpoint = save_model(state.params, model_cfg, cfg.checkpoint, out / "checkpoint")
   first, last = history[0], history[-1]
   summary = {
@@ -210,8 +220,8 @@ def run(cfg: DpoConfig, env=None) -> dict[str, Any]:
       "train_seconds": round(train_s, 3), "eval": evals[-1]["result"], "eval_history": evals,
       "seconds": round(time.perf_counter() - t_start, 3),
   }
-  (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-  print(format_summary(summary), flush=True)
+  tracker.summary(summary)
+  echo(format_summary(summary))
   return summary
 
 

@@ -20,6 +20,9 @@ against the copy baseline). At the end the model is saved as an HF folder (with 
 which records the format, max_len, decode budget and retrieval encoder the model was trained with) and the final
 held-out fidelity goes into summary.json.
 
+Tracking (`dreamjax.track.Tracker`, `track`): config.json, metrics.jsonl (fresh on every run), summary.json, and W&B
+when `track.wandb` is "online" or "offline"; a progress bar over the steps when stderr is a terminal.
+
 Run: dreamjax train-exp --config configs/train_exp_twx.py[:variant] [--set key=value ...]
 """
 
@@ -57,7 +60,8 @@ from dreamjax.rl.objectives import make_objective
 from dreamjax.rl.optim import OptimConfig, make_optimizer
 from dreamjax.rl.train_state import create_train_state
 from dreamjax.rl.update import make_train_step
-from dreamjax.train.run import ModelSource, build_tiny_checkpoint, load_model, open_run, save_model, to_json
+from dreamjax.track import Tracker, TrackConfig, echo, progress
+from dreamjax.train.run import ModelSource, build_tiny_checkpoint, load_model, save_model, to_json
 
 META_FILE = "exp_model.json"
 ENCODERS = ("minilm", "backbone")
@@ -88,6 +92,7 @@ class ExpSftConfig:
   out_dir: str = "runs/exp_sft/twx"
   seed: int = 0
   mesh: MeshConfig = MeshConfig()  # all sizes positive: the first prod(sizes) devices; one -1: all devices
+  track: TrackConfig = TrackConfig()
 
   def __post_init__(self):
     if self.retrieval_exclude not in EXCLUDE:
@@ -175,7 +180,13 @@ def _evaluate(predictor: Predictor, scorer: LogpScorer, params: Any, held: list[
 def run(cfg: ExpSftConfig) -> dict[str, Any]:
   """Trains M_exp; returns the summary (also written to out_dir/summary.json)."""
   t0 = time.perf_counter()
-  out, log = open_run(cfg.out_dir, cfg)
+  out = Path(cfg.out_dir)
+  out.mkdir(parents=True, exist_ok=True)  # every process builds the tiny model here; the tracker writes on one
+  with Tracker(out, to_json(cfg), cfg.track) as tracker:
+    return _train(cfg, out, tracker, t0)
+
+
+def _train(cfg: ExpSftConfig, out: Path, tracker: Tracker, t0: float) -> dict[str, Any]:
   records = load_records(cfg.trajectories, cfg.max_episodes)
   notes = annotations_for(records, load_annotation_files(cfg.annotations))
   train_records, _ = split_by_task(records, cfg.held_out_fraction, cfg.seed)
@@ -195,7 +206,7 @@ def run(cfg: ExpSftConfig) -> dict[str, Any]:
                         annotations=notes, exclude=cfg.retrieval_exclude)
   if not data.train:
     raise ValueError(f"no training examples fit max_len={cfg.max_len} ({data.stats})")
-  print(f"exp_sft: {len(data.train)} training and {len(data.held_out)} held-out examples; {data.stats}", flush=True)
+  echo(f"exp_sft: {len(data.train)} training and {len(data.held_out)} held-out examples; {data.stats}")
   max_new = cfg.max_new_tokens or decode_budget(data.train, cfg.max_len)
 
   optimizer = make_optimizer(cfg.optim)
@@ -214,24 +225,26 @@ def run(cfg: ExpSftConfig) -> dict[str, Any]:
   history: list[dict[str, Any]] = []
   train_tokens = 0
   t_train = time.perf_counter()
-  for step, rows in enumerate(_batches(len(data.train), cfg.batch_size, total, cfg.seed), start=1):
-    examples = [data.train[i] for i in rows]
-    width = next(b for b in buckets if b >= max(len(e.ids) for e in examples))
-    batch = sft_batch([e.ids for e in examples], [e.loss_mask for e in examples], pad_to=width,
-                      row_multiple=cfg.batch_size)
-    state, metrics = step_fn(state, batch, jax.random.fold_in(key, step))
-    train_tokens += int(sum(len(e.ids) for e in examples))
-    # The last step's evaluation is the final one below, over every held-out example.
-    evaluate = bool(cfg.eval_every) and step % cfg.eval_every == 0 and step != total
-    if step % cfg.log_every == 0 or step == total or evaluate:
-      row = {k: float(v) for k, v in jax.device_get(metrics).items()}
-      row["epoch"] = step * cfg.batch_size / len(data.train)
-      row["tokens_per_s"] = train_tokens / (time.perf_counter() - t_train)
-      if evaluate and data.held_out:
-        row |= _evaluate(predictor, scorer, state.params, data.held_out, decode_subset)
-      history.append(log.log(step, row))
-      print(f"step {step}/{total}: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(row.items())
-                                                  if isinstance(v, float) and k in _SHOWN), flush=True)
+  with progress(total, "exp_sft", unit="step", enabled=cfg.track.progress and tracker.primary) as bar:
+    for step, rows in enumerate(_batches(len(data.train), cfg.batch_size, total, cfg.seed), start=1):
+      examples = [data.train[i] for i in rows]
+      width = next(b for b in buckets if b >= max(len(e.ids) for e in examples))
+      batch = sft_batch([e.ids for e in examples], [e.loss_mask for e in examples], pad_to=width,
+                        row_multiple=cfg.batch_size)
+      state, metrics = step_fn(state, batch, jax.random.fold_in(key, step))
+      train_tokens += int(sum(len(e.ids) for e in examples))
+      bar.update()
+      # The last step's evaluation is the final one below, over every held-out example.
+      evaluate = bool(cfg.eval_every) and step % cfg.eval_every == 0 and step != total
+      if step % cfg.log_every == 0 or step == total or evaluate:
+        row = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        row["epoch"] = step * cfg.batch_size / len(data.train)
+        row["tokens_per_s"] = train_tokens / (time.perf_counter() - t_train)
+        if evaluate and data.held_out:
+          row |= _evaluate(predictor, scorer, state.params, data.held_out, decode_subset)
+        history.append(tracker.log(step, row))
+        echo(f"step {step}/{total}: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(row.items())
+                                                   if isinstance(v, float) and k in _SHOWN))
   checkpoint = save_model(state.params, model_cfg, init_folder, out / "checkpoint")
   meta = {"format": to_json(cfg.format), "max_len": cfg.max_len, "max_new_tokens": max_new,
           "retrieval_encoder": cfg.retrieval_encoder, "encoder_folder": str(init_folder), "env": records[0].env}
@@ -241,8 +254,8 @@ def run(cfg: ExpSftConfig) -> dict[str, Any]:
     predictor.set_params(state.params)
     res = one_step(predictor, data.held_out, scorer=scorer)
     final = {"model": res["model"], "copy": res["copy"]}
-    log.log(total, {f"final_held_out_{k}": v for k, v in res["model"].items() if isinstance(v, int | float)}
-            | {f"final_held_out_copy_{k}": v for k, v in res["copy"].items() if isinstance(v, int | float)})
+    tracker.log(total, {f"final_held_out_{k}": v for k, v in res["model"].items() if isinstance(v, int | float)}
+                | {f"final_held_out_copy_{k}": v for k, v in res["copy"].items() if isinstance(v, int | float)})
     with open(out / "held_out_predictions.jsonl", "w", encoding="utf-8") as f:
       for r in res["rows"]:
         f.write(json.dumps(r, sort_keys=True) + "\n")
@@ -254,12 +267,11 @@ def run(cfg: ExpSftConfig) -> dict[str, Any]:
       "max_new_tokens": max_new, "seconds": round(time.perf_counter() - t0, 1),
       "train_seconds": round(time.perf_counter() - t_train, 1), "compilations": step_fn.compilations(),
   }
-  (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
-  log.close()
+  summary_path = tracker.summary(summary)
   if final:
-    print(f"held-out one-step exact match {final['model']['exact_match']:.3f} (copy baseline "
-          f"{final['copy']['exact_match']:.3f}) over {final['model']['n']} transitions")
-  print(f"checkpoint: {checkpoint}; summary: {out / 'summary.json'}", flush=True)
+    echo(f"held-out one-step exact match {final['model']['exact_match']:.3f} (copy baseline "
+         f"{final['copy']['exact_match']:.3f}) over {final['model']['n']} transitions")
+  echo(f"checkpoint: {checkpoint}; summary: {summary_path}")
   return summary
 
 

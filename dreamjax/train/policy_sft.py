@@ -7,6 +7,10 @@ NLL over answer tokens) through the shared jitted `TrainStep`, evaluate the gree
 held-out tasks (and optionally on training tasks) at the end and every `eval.every_steps` updates, and save an HF
 checkpoint folder (RL's warm start) plus `summary.json`.
 
+Tracking (`dreamjax.track.Tracker`, `track`): config.json, metrics.jsonl (fresh on every run: a rerun is a new run,
+it does not append to the last one's rows), summary.json, and W&B when `track.wandb` is "online" or "offline"; a
+progress bar over the update steps when stderr is a terminal.
+
 Batches have fixed shapes so the step compiles once: every batch holds `batch_size` rows (the last batch of an epoch
 is filled with empty rows, which the token-mean loss ignores) and, with `pad_to = 0`, every row is padded to the
 longest row's length rounded up to 64. Rows are shuffled per epoch by `(seed, epoch)`, and the step's PRNG key is
@@ -24,7 +28,6 @@ Run: `dreamjax train-policy --config configs/train_policy_twx.py[:variant] [--se
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Sequence
@@ -48,16 +51,10 @@ from dreamjax.rl.update import make_train_step
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
 from dreamjax.text import Tokenizer
+from dreamjax.track import Tracker, TrackConfig, echo, progress
 from dreamjax.train.evaluate import evaluate, greedy_rollout
 from dreamjax.train.policy_data import RowConfig, TurnRow, policy_texts, sft_rows
-from dreamjax.train.run import (
-    MetricsLog,
-    ModelSource,
-    build_tiny_checkpoint,
-    load_model,
-    open_run,
-    save_model,
-)
+from dreamjax.train.run import ModelSource, build_tiny_checkpoint, load_model, save_model, to_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +102,7 @@ class PolicySftConfig:
   log_every: int = 10
   out_dir: str = "runs/policy_sft/twx"
   seed: int = 0
+  track: TrackConfig = TrackConfig()
 
   def __post_init__(self):
     check_loop_settings(self, ("batch_size", "micro_batches", "epochs", "log_every"), ("max_steps", "pad_to", "devices"))
@@ -220,7 +218,13 @@ def run(cfg: PolicySftConfig, env: BatchEnv | None = None) -> dict[str, Any]:
   """Trains, evaluates and saves; returns the summary (also written to out_dir/summary.json). `env` (not closed
   here) replaces the evaluation env built from the config."""
   t_start = time.perf_counter()
-  out, log = open_run(cfg.out_dir, cfg)
+  out = Path(cfg.out_dir)
+  out.mkdir(parents=True, exist_ok=True)  # every process builds the tiny model here; the tracker writes on one
+  with Tracker(out, to_json(cfg), cfg.track) as tracker:
+    return _train(cfg, env, out, tracker, t_start)
+
+
+def _train(cfg: PolicySftConfig, env: BatchEnv | None, out: Path, tracker: Tracker, t_start: float) -> dict[str, Any]:
   mesh = mesh_of(cfg.mesh, cfg.devices)
   records = read_records(cfg.data)
   model_cfg, params, tokenizer, model_dir = prepare_model(cfg.model, records, cfg.agent, cfg.rows.think, out, cfg.seed,
@@ -247,27 +251,28 @@ def run(cfg: PolicySftConfig, env: BatchEnv | None = None) -> dict[str, Any]:
   history, evals = [], []
   try:
     if cfg.eval.at_start:
-      evals.append(evaluate_and_log(evaluator, state.params, key, 0, log))
+      evals.append(evaluate_and_log(evaluator, state.params, key, 0, tracker))
     step, epoch, t_train = 0, 0, time.perf_counter()
-    while step < total:
-      for batch_rows in _batches(rows, cfg.batch_size, np.random.default_rng([cfg.seed, epoch])):
-        if step >= total:
-          break
-        batch = sft_batch([r.ids for r in batch_rows], [r.loss_mask for r in batch_rows], pad_to=length,
-                          row_multiple=cfg.batch_size)
-        state, metrics = step_fn(state, batch, jax.random.fold_in(key, step))
-        step += 1
-        if step % cfg.log_every == 0 or step == total or step == 1:
-          history.append(log.log(step, jax.device_get(metrics), epoch=epoch))
-          print(f"policy_sft step {step}/{total}: loss {history[-1]['loss']:.4f}", flush=True)
-        if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total:
-          evals.append(evaluate_and_log(evaluator, state.params, key, step, log))
-      epoch += 1
+    with progress(total, "policy_sft", unit="step", enabled=cfg.track.progress and tracker.primary) as bar:
+      while step < total:
+        for batch_rows in _batches(rows, cfg.batch_size, np.random.default_rng([cfg.seed, epoch])):
+          if step >= total:
+            break
+          batch = sft_batch([r.ids for r in batch_rows], [r.loss_mask for r in batch_rows], pad_to=length,
+                            row_multiple=cfg.batch_size)
+          state, metrics = step_fn(state, batch, jax.random.fold_in(key, step))
+          step += 1
+          bar.update()
+          if step % cfg.log_every == 0 or step == total or step == 1:
+            history.append(tracker.log(step, jax.device_get(metrics), epoch=epoch))
+            echo(f"policy_sft step {step}/{total}: loss {history[-1]['loss']:.4f}")
+          if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total:
+            evals.append(evaluate_and_log(evaluator, state.params, key, step, tracker))
+        epoch += 1
     train_s = time.perf_counter() - t_train
-    evals.append(evaluate_and_log(evaluator, state.params, key, step, log))
+    evals.append(evaluate_and_log(evaluator, state.params, key, step, tracker))
   finally:
     evaluator.close()
-    log.close()
   checkpoint = save_model(state.params, model_cfg, model_dir, out / "checkpoint")
   summary = {
       "checkpoint": str(checkpoint), "init_model": str(model_dir), "rows": row_stats, "steps": step,
@@ -275,18 +280,18 @@ def run(cfg: PolicySftConfig, env: BatchEnv | None = None) -> dict[str, Any]:
       "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"], "train_seconds": round(train_s, 3),
       "eval": evals[-1]["result"], "eval_history": evals, "seconds": round(time.perf_counter() - t_start, 3),
   }
-  (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-  print(format_summary(summary), flush=True)
+  tracker.summary(summary)
+  echo(format_summary(summary))
   return summary
 
 
-def evaluate_and_log(evaluator: Evaluator, params, key: jax.Array, step: int, log: MetricsLog) -> dict[str, Any]:
+def evaluate_and_log(evaluator: Evaluator, params, key: jax.Array, step: int, tracker: Tracker) -> dict[str, Any]:
   result = evaluator(params, jax.random.fold_in(key, 1 << 30))  # apart from the train steps' keys
   if not result:  # no tasks to evaluate on
     return {"step": step, "result": result}
-  log.log(step, flat_eval_metrics(result))
-  print(f"eval at step {step}: " + ", ".join(f"{side} success {r['success_rate']:.3f} ({r['successes']}/"
-                                             f"{r['episodes']})" for side, r in result.items()), flush=True)
+  tracker.log(step, flat_eval_metrics(result))
+  echo(f"eval at step {step}: " + ", ".join(f"{side} success {r['success_rate']:.3f} ({r['successes']}/"
+                                            f"{r['episodes']})" for side, r in result.items()))
   return {"step": step, "result": result}
 
 

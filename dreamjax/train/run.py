@@ -1,7 +1,8 @@
 """What every training loop shares: the run folder, its metrics log, and where its model comes from.
 
 A run folder holds `config.json` (the resolved config), `metrics.jsonl` (one JSON object per logged step, appended
-and flushed so a killed run keeps what it logged), the checkpoints the loop writes, and its result files. Models
+and flushed so a killed run keeps what it logged), the checkpoints the loop writes, and its result files; the loops
+write the first two through `dreamjax.track.Tracker`, which uses `MetricsLog` below. Models
 always pass through an HF folder: a real checkpoint given in the config, or a tiny one built for the run (a BPE
 trained on the run's own text and a random model), so tiny CPU runs take the code path a Llama/Qwen checkpoint takes.
 """
@@ -62,14 +63,6 @@ class MetricsLog:
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
   return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def open_run(out_dir: str | Path, cfg: Any) -> tuple[Path, MetricsLog]:
-  """Creates the run folder, records the config, and opens the metrics log (appending across resumes)."""
-  out = Path(out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "config.json").write_text(json.dumps(to_json(cfg), indent=2, sort_keys=True))
-  return out, MetricsLog(out / "metrics.jsonl")
 
 
 @dataclasses.dataclass(frozen=True)
