@@ -67,7 +67,7 @@ def tiny() -> ReproduceConfig:
       collect=CollectConfig(games=("coin",), game_params=COIN, env_kwargs=("step_limit=8",),
                             policies=("expert:150", "random:50", "eps0.5:100"), num_workers=0, rows_per_worker=8,
                             build_tfds=False),
-      exp=dataclasses.replace(exp, steps=200, optim=dataclasses.replace(exp.optim, total_steps=200), eval_every=0),
+      exp=dataclasses.replace(exp, eval_every=0),  # 300 steps: 0.75 held-out next-state exact match (200: 0.26)
       sft=sft,
       dpo=dpo,
       real=real,
