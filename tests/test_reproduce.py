@@ -1,6 +1,7 @@
-"""`dreamjax reproduce` through the CLI on `make demo`'s own config, cut to a few steps per stage: every stage runs and
-lands in its folder, the common evaluation scores every row on the same tasks, S2R stops at its real-transition
-budget, the table is written, and a rerun reuses every finished stage."""
+"""`dreamjax reproduce` through the CLI on `make demo`'s own config, cut to a few steps per stage (the end-to-end test
+is slow: `pytest -m slow tests/test_reproduce.py`): every stage runs and lands in its folder, the common evaluation
+scores every row on the same tasks, S2R stops at its real-transition budget, the table is written, and a rerun reuses
+every finished stage."""
 
 import json
 from pathlib import Path
@@ -21,6 +22,7 @@ for _rl in ("real", "dreamgym.rl"):
 SMALL += ["dreamgym.curriculum.generate_every=1", "dreamgym.curriculum.max_new_tokens=16", "dreamgym.exp_max_new_tokens=48"]
 
 
+@pytest.mark.slow  # about 3 minutes: every stage trains; the loops themselves are covered by the default suite
 def test_reproduce_runs_every_stage_writes_the_table_and_resumes(tmp_path, capsys):
   args = ["reproduce", "--config", "configs/demo.py", "--set", f"out_dir={tmp_path}"]
   for item in SMALL:
