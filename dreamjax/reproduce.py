@@ -13,7 +13,7 @@ optionally sampled), so the rows differ only by how the policy was trained. A st
 evaluations) exists is reused: rerunning after a crash or with more seeds redoes only what is missing.
 
 The table (results.md, results.json, results.svg) has per method: offline real transitions behind it (the collected
-data: SFT/DPO train on it, DreamGym's M_exp too), online real transitions spent in training, synthetic transitions,
+data: every method starts from the SFT policy trained on it, and DreamGym's M_exp learns from it too), online real transitions spent in training, synthetic transitions,
 held-out success as the mean over seeds with a 95% Wilson interval over all its episodes and the per-seed rates, and
 the training wall time (the cost comparison).
 
@@ -111,18 +111,18 @@ def run(cfg: ReproduceConfig) -> dict[str, Any]:
   sft = _stage(out / "sft", "summary.json", lambda: policy_sft.run(sft_cfg))["checkpoint"]
   rows: list[dict[str, Any]] = []
 
-  def add_row(method: str, runs: list[tuple[Path, dict[str, Any]]], uses_offline: bool) -> None:
+  def add_row(method: str, runs: list[tuple[Path, dict[str, Any]]]) -> None:
     """Evaluates each seed's final policy with the common settings and appends the method's row."""
     evals = []
     for folder, summary in runs:
       ev = dataclasses.replace(cfg.eval, checkpoint=summary["checkpoint"], out_dir=str(folder / "eval"))
       evals.append(_stage(folder / "eval", "eval.json", lambda ev=ev: eval_run.run(ev)))
-    rows.append(row(method, runs, evals, offline if uses_offline else 0))
+    rows.append(row(method, runs, evals, offline))  # every method starts from the SFT policy on that data
 
-  add_row("SFT", [(out / "sft", {"checkpoint": sft, "seconds": _seconds(out / "sft")})], True)
+  add_row("SFT", [(out / "sft", {"checkpoint": sft, "seconds": _seconds(out / "sft")})])
   if cfg.dpo is not None:
     dpo_cfg = dataclasses.replace(cfg.dpo, data=(str(data),), checkpoint=sft, out_dir=str(out / "dpo"))
-    add_row("DPO", [(out / "dpo", _stage(out / "dpo", "summary.json", lambda: dpo.run(dpo_cfg)))], True)
+    add_row("DPO", [(out / "dpo", _stage(out / "dpo", "summary.json", lambda: dpo.run(dpo_cfg)))])
 
   def seeds(name: str, make: Callable[[int, Path], Any], runner: Callable[[Any], Any]) -> list:
     runs = []
@@ -140,7 +140,7 @@ def run(cfg: ReproduceConfig) -> dict[str, Any]:
   if cfg.real is not None:
     for alg in cfg.algorithms:
       add_row(f"{alg.upper()} (real env)",
-              seeds(f"real_{alg}", lambda s, f, alg=alg: real_rl(alg, sft, s, f), rl_real.run), False)
+              seeds(f"real_{alg}", lambda s, f, alg=alg: real_rl(alg, sft, s, f), rl_real.run))
 
   def dream(alg: str, s: int, folder: Path, exp: str, **kw) -> DreamGymConfig:
     d = cfg.dreamgym
@@ -152,14 +152,14 @@ def run(cfg: ReproduceConfig) -> dict[str, Any]:
     dream_runs = {}
     for alg in cfg.algorithms:
       dream_runs[alg] = seeds(f"dreamgym_{alg}", lambda s, f, alg=alg: dream(alg, s, f, exp), dreamgym.run)
-      add_row(f"DreamGym {alg.upper()}", dream_runs[alg], True)
+      add_row(f"DreamGym {alg.upper()}", dream_runs[alg])
     if cfg.s2r_transitions:
       for alg in cfg.algorithms:
         starts = {s: summary["checkpoint"] for s, (_, summary) in zip(cfg.seeds, dream_runs[alg])}
         add_row(f"DreamGym-S2R {alg.upper()}",
                 seeds(f"s2r_{alg}", lambda s, f, alg=alg, starts=starts: real_rl(alg, starts[s], s, f,
                                                                                   cfg.s2r_transitions),
-                      rl_real.run), True)
+                      rl_real.run))
     for ablation in cfg.ablations:
       kw: dict[str, Any] = {}
       exp_ab = exp
@@ -174,7 +174,7 @@ def run(cfg: ReproduceConfig) -> dict[str, Any]:
         exp_ab, kw["reasoning"] = exp_model("exp_model_no_reasoning", reasoning=False), False
       add_row(f"DreamGym GRPO w/o {ablation[3:].replace('_', ' ')}",
               seeds(f"dreamgym_grpo_{ablation}", lambda s, f, kw=kw, e=exp_ab: dream("grpo", s, f, e, **kw),
-                    dreamgym.run), True)
+                    dreamgym.run))
 
   result = {"rows": rows, "seeds": list(cfg.seeds), "offline_transitions": offline,
             "eval": to_json(cfg.eval.tasks), "seconds": time.perf_counter() - t0}
