@@ -74,10 +74,10 @@ from dreamjax.train.rl_real import (
     episode_returns,
     load_policy,
     make_batch_env,
+    open_checkpoints,
     phase_key,
 )
 from dreamjax.track import Tracker, echo, progress, truncate_jsonl
-from dreamjax.train.checkpoint import RunCheckpointer
 from dreamjax.train.run import load_model, save_model, to_json
 
 PHASE_SYNTHETIC, PHASE_CURRICULUM, PHASE_GENERATION, PHASE_CLUSTERS = 10, 11, 12, 13
@@ -279,12 +279,7 @@ def run(cfg: DreamGymConfig) -> dict[str, Any]:
   records, seeds = seed_records(cfg, {t.task_id for t in eval_pool})
   exp_cfg, exp_params, exp_tok, meta, fmt = load_exp_model(cfg, mesh)
   root = jax.random.key(rl.seed)
-  ckpt = RunCheckpointer(out / "checkpoints", keep=rl.keep_checkpoints)
-  resume = ckpt.latest_step()
-  if resume is not None and resume > rl.iterations:
-    ckpt.close()
-    raise ValueError(f"rl.iterations is {rl.iterations} but {out / 'checkpoints'} holds iteration {resume}; raise "
-                     f"iterations or use another out_dir")
+  ckpt, resume = open_checkpoints(rl, out)
   state: dict[str, Any] = ckpt.meta(resume) if resume is not None else {}
 
   out.mkdir(parents=True, exist_ok=True)

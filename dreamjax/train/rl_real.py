@@ -392,6 +392,18 @@ def _config_changes(saved: Any, current: Any, prefix: str = "") -> list[str]:
                                                                                  f"{prefix}{k}.")]
 
 
+def open_checkpoints(cfg: RLConfig, out: Path) -> tuple[RunCheckpointer, int | None]:
+  """The run's checkpointer and the iteration to resume after (None: a fresh run); a checkpoint beyond
+  `cfg.iterations` is an error (the run would have nothing to do but could not say so)."""
+  ckpt = RunCheckpointer(out / "checkpoints", keep=cfg.keep_checkpoints)
+  resume = ckpt.latest_step()
+  if resume is not None and resume > cfg.iterations:
+    ckpt.close()
+    raise ValueError(f"RLConfig.iterations is {cfg.iterations} but {out / 'checkpoints'} holds iteration {resume}; "
+                     f"raise iterations or use another out_dir")
+  return ckpt, resume
+
+
 def load_policy(cfg: RLConfig, out: Path, resuming: bool, env: BatchEnv, pool: list[Task], mesh
                 ) -> tuple[Path, ModelConfig, Any, Tokenizer]:
   """(HF folder, model config, params, tokenizer) of the policy: `cfg.model.checkpoint`, or a tiny model built in
@@ -421,12 +433,7 @@ def run(cfg: RLConfig, env: BatchEnv | None = None) -> dict[str, Any]:
   if shared:
     raise ValueError(f"RLConfig: train_tasks and eval_tasks share {len(shared)} tasks (e.g. {sorted(shared)[0]!r}); "
                      f"evaluation must be on held-out tasks")
-  ckpt = RunCheckpointer(out / "checkpoints", keep=cfg.keep_checkpoints)
-  resume = ckpt.latest_step()
-  if resume is not None and resume > cfg.iterations:
-    ckpt.close()
-    raise ValueError(f"RLConfig.iterations is {cfg.iterations} but {out / 'checkpoints'} holds iteration {resume}; "
-                     f"raise iterations or use another out_dir")
+  ckpt, resume = open_checkpoints(cfg, out)
   owned = env is None
   env = make_batch_env(cfg) if owned else env
   evals: list[dict[str, Any]] = []
