@@ -1,4 +1,4 @@
-"""`make demo`: DreamGym end to end at a tiny size on TextWorld-Express coin games, about 12 minutes on 2 CPU cores.
+"""`make demo`: DreamGym end to end at a tiny size on TextWorld-Express coin games, 10 to 20 minutes on 2 CPU cores.
 
 Collects offline episodes from the real games, trains a tiny experience model and a tiny SFT policy on them, runs
 GRPO inside the experience model (DreamGym) and, for comparison, GRPO against the real games, evaluates the three
