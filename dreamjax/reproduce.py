@@ -30,13 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from dreamjax.data.collect import CollectConfig
+from dreamjax.data.jsonl import read_jsonl
 from dreamjax.data.records import read_trajectories
 from dreamjax.train.dpo import DpoConfig
 from dreamjax.train.dreamgym import DreamGymConfig
 from dreamjax.train.eval_run import EvalRunConfig
 from dreamjax.train.exp_sft import ExpSftConfig
-from dreamjax.train.policy_sft import PolicySftConfig
-from dreamjax.train.rl_real import RLConfig
+from dreamjax.rollout.agent import AgentFormat
+from dreamjax.train.policy_sft import EvalConfig, PolicySftConfig
+from dreamjax.train.rl_real import RLConfig, TaskSpec
 from dreamjax.train.run import to_json, wilson_interval
 
 ABLATIONS = ("no_replay", "no_curriculum", "no_reasoning")
@@ -67,6 +69,42 @@ class ReproduceConfig:
       raise ValueError("ReproduceConfig: at least one seed, and s2r_transitions >= 0")
     if (self.ablations or self.s2r_transitions) and self.dreamgym is None:
       raise ValueError("ReproduceConfig: ablations and S2R need the dreamgym section")
+    # Every row must be trained and scored on one environment; a section left on another one is a config slip.
+    envs = {"collect": self.collect.env, "sft": self.sft.env, "dpo": self.dpo and self.dpo.env,
+            "real": self.real and self.real.env, "dreamgym.rl": self.dreamgym and self.dreamgym.rl.env}
+    wrong = {k: v for k, v in envs.items() if v is not None and v != self.eval.env}
+    if wrong:
+      raise ValueError(f"ReproduceConfig: eval.env is {self.eval.env!r} but {', '.join(f'{k}.env is {v!r}' for k, v in wrong.items())}; "
+                       f"point every stage at one env (dreamjax.reproduce.on_env does)")
+
+
+def on_env(cfg: ReproduceConfig, *, env: str, env_kwargs: tuple[str, ...], agent: AgentFormat,
+           rollout: dict[str, Any], train: TaskSpec, held_out: TaskSpec) -> ReproduceConfig:
+  """`cfg` with every stage on one environment: the offline data and RL draw from `train`, every evaluation (SFT's
+  and DPO's progress checks, the RL loops' periodic ones, the final common one) from `held_out`; all policies see the
+  same `agent` prompt layout; `rollout` replaces the env-dependent budgets (turns, tokens, prompt buckets) in each
+  section's own rollout settings, so the RL group size and temperature stay as they were."""
+  def sft_eval(e: EvalConfig) -> EvalConfig:
+    return dataclasses.replace(e, games=held_out.games, split=held_out.split, task_start=held_out.start,
+                               game_params=held_out.game_params)
+
+  def policy(c):  # the fields PolicySftConfig, DpoConfig, RLConfig and EvalRunConfig share
+    return dataclasses.replace(c, env=env, env_kwargs=env_kwargs, agent=agent,
+                               rollout=dataclasses.replace(c.rollout, **rollout))
+
+  def rl(c: RLConfig) -> RLConfig:
+    return dataclasses.replace(policy(c), train_tasks=train, eval_tasks=dataclasses.replace(
+        held_out, count=min(held_out.count, c.eval_tasks.count)))
+
+  return dataclasses.replace(
+      cfg,
+      collect=dataclasses.replace(cfg.collect, env=env, env_kwargs=env_kwargs, games=train.games, split=train.split,
+                                  task_start=train.start, game_params=train.game_params),
+      sft=dataclasses.replace(policy(cfg.sft), eval=sft_eval(cfg.sft.eval)),
+      dpo=cfg.dpo and dataclasses.replace(policy(cfg.dpo), eval=sft_eval(cfg.dpo.eval)),
+      real=cfg.real and rl(cfg.real),
+      dreamgym=cfg.dreamgym and dataclasses.replace(cfg.dreamgym, rl=rl(cfg.dreamgym.rl)),
+      eval=dataclasses.replace(policy(cfg.eval), tasks=held_out))
 
 
 def as_algorithm(rl: RLConfig, algorithm: str) -> RLConfig:
@@ -194,9 +232,26 @@ def _seconds(folder: Path) -> float | None:
   return s.get("seconds") or s.get("train_seconds")
 
 
+# Per-iteration costs the RL loops log (metrics.jsonl), summed over a run: seconds inside the environment's step and
+# reset (the real env, or M_exp decoding plus retrieval for DreamGym), in the policy update, and tokens the policy
+# sampled. They split the wall time into what the real env costs and what the model costs.
+COSTS = {"env_s": "env_s", "update_s": "update_s", "policy_tokens": "sampled_tokens"}
+
+
+def run_costs(folder: Path) -> dict[str, float]:
+  path = folder / "metrics.jsonl"
+  totals = dict.fromkeys(COSTS, 0.0)
+  if path.is_file():
+    for _, values in read_jsonl(path):
+      for name, key in COSTS.items():
+        totals[name] += float(values.get(key, 0.0))
+  return totals
+
+
 def row(method: str, runs: list[tuple[Path, dict[str, Any]]], evals: list[dict[str, Any]], offline: int
         ) -> dict[str, Any]:
   successes, episodes = sum(e["successes"] for e in evals), sum(e["episodes"] for e in evals)
+  costs = [run_costs(folder) for folder, _ in runs]
   low, high = wilson_interval(successes, episodes)
   per_seed = [e["success_rate"] for e in evals]
   sampled = [e["sampled"]["success_rate"] for e in evals if "sampled" in e]
@@ -206,7 +261,8 @@ def row(method: str, runs: list[tuple[Path, dict[str, Any]]], evals: list[dict[s
           "synthetic_transitions": int(sum(s.get("synthetic_transitions", 0) for _, s in runs) / len(runs)),
           "success_rate": successes / episodes, "ci_low": low, "ci_high": high, "per_seed": per_seed,
           "sampled_success_rate": sum(sampled) / len(sampled) if sampled else None,
-          "seconds": sum(seconds) / len(seconds) if seconds else None, "folders": [str(f) for f, _ in runs]}
+          "seconds": sum(seconds) / len(seconds) if seconds else None, "folders": [str(f) for f, _ in runs],
+          **{name: sum(c[name] for c in costs) / len(costs) for name in COSTS}}
 
 
 def table(rows: list[dict[str, Any]], cfg: ReproduceConfig) -> str:
@@ -215,11 +271,13 @@ def table(rows: list[dict[str, Any]], cfg: ReproduceConfig) -> str:
           f"{tasks.split}{', ' + tasks.game_params if tasks.game_params else ''}), greedy, one episode per task; "
           f"mean over seeds {list(cfg.seeds)} with a 95% Wilson interval over all their episodes. Offline: real "
           f"transitions in the collected data the method learns from; online: real transitions spent in training "
-          f"(per seed); seconds: training wall time per seed.")
+          f"(per seed). Cost per seed: training wall time, of it the seconds inside the environment (the real env, "
+          f"or M_exp and retrieval for DreamGym) and in the policy update, and the tokens the policy sampled; S2R rows "
+          f"count their real-env phase only (add the DreamGym row above them).")
   sampled = any(r["sampled_success_rate"] is not None for r in rows)
   lines = [head, "", "| method | offline real | online real | synthetic | success [95% CI] | per seed |"
-           + (" sampled |" if sampled else "") + " seconds |",
-           "|---|---|---|---|---|---|" + ("---|" if sampled else "") + "---|"]
+           + (" sampled |" if sampled else "") + " seconds | env s | update s | policy tokens |",
+           "|---|---|---|---|---|---|" + ("---|" if sampled else "") + "---|---|---|---|"]
   for r in rows:
     cells = [r["method"], str(r["offline_transitions"]), str(r["real_transitions"]), str(r["synthetic_transitions"]),
              f"{r['success_rate']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]",
@@ -227,6 +285,7 @@ def table(rows: list[dict[str, Any]], cfg: ReproduceConfig) -> str:
     if sampled:
       cells.append("" if r["sampled_success_rate"] is None else f"{r['sampled_success_rate']:.3f}")
     cells.append("" if r["seconds"] is None else f"{r['seconds']:.0f}")
+    cells += [f"{r['env_s']:.0f}", f"{r['update_s']:.0f}", f"{r['policy_tokens']:.0f}"]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 

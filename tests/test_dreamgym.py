@@ -27,7 +27,7 @@ from dreamjax.rl.objectives import PolicyGradientConfig
 from dreamjax.rl.optim import OptimConfig
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
-from dreamjax.train.dreamgym import CurriculumConfig, DreamGymConfig, run
+from dreamjax.train.dreamgym import CurriculumConfig, DreamGymConfig, PlacementConfig, make_meshes, run
 from dreamjax.train.exp_sft import run as train_exp
 from dreamjax.train.rl_real import RLConfig, TaskSpec
 from dreamjax.train.run import ModelSource, read_metrics
@@ -151,6 +151,26 @@ def test_a_run_resumed_after_a_crash_equals_the_uninterrupted_run(parts, uninter
       ReplayBuffer(Path(full_cfg.out_dir) / "replay", read_only=True) as y:
     assert list(x.iter_from(0)) == list(y.iter_from(0))
   assert (out / "task_pool.json").read_text() == (Path(full_cfg.out_dir) / "task_pool.json").read_text()
+
+
+def test_m_exp_on_its_own_devices_gives_the_colocated_run(parts, tmp_path):
+  """Placement: the policy on devices 0-3 and M_exp on 4-7 (split) against both on 0-3 (colocated). The meshes have
+  the same shape, so every computation is the same: equal metrics and parameters bit for bit."""
+  rl = dict(devices=4, iterations=1, eval_every=0)
+  split = _config(parts, tmp_path / "split", rl=rl, placement=PlacementConfig(mode="split"))
+  policy_mesh, exp_mesh = make_meshes(split.rl, split.placement)
+  assert {d.id for d in policy_mesh.devices.flat} == {0, 1, 2, 3} and {d.id for d in exp_mesh.devices.flat} == {
+      4, 5, 6, 7}
+  a, b = run(_config(parts, tmp_path / "colocated", rl=rl)), run(split)
+  assert a["synthetic_transitions"] == b["synthetic_transitions"] > 0
+  assert _rows(tmp_path / "colocated" / "metrics.jsonl") == _rows(tmp_path / "split" / "metrics.jsonl")
+  _, x = load_hf_checkpoint(a["checkpoint"])
+  _, y = load_hf_checkpoint(b["checkpoint"])
+  assert all(np.array_equal(u, v) for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y)))
+  with pytest.raises(ValueError, match="only 4 devices are left"):
+    make_meshes(split.rl, PlacementConfig(mode="split", exp_devices=5))
+  with pytest.raises(ValueError, match="rl.devices must leave devices for M_exp"):
+    make_meshes(dataclasses.replace(split.rl, devices=0), split.placement)
 
 
 def test_ablations_ppo_without_replay_or_curriculum(parts, tmp_path):

@@ -65,3 +65,58 @@ def test_reproduce_config_errors():
   assert cfg.algorithms == ("grpo", "ppo") and cfg.seeds == (0, 1, 2) and cfg.s2r_transitions > 0
   assert cfg.real.agent == cfg.sft.agent == cfg.dreamgym.rl.agent == cfg.eval.agent
   assert cfg.real.eval_tasks.game_params == cfg.eval.tasks.game_params == cfg.collect.game_params
+
+
+@pytest.mark.parametrize("name", ["reproduce_alfworld.py", "reproduce_miniwob.py"])
+@pytest.mark.parametrize("variant", ["", ":tiny"])
+def test_on_env_points_every_stage_at_one_env(name, variant):
+  cfg = load_config(f"configs/{name}{variant}")
+  twx = load_config(f"configs/reproduce_twx.py{variant}")
+  env = cfg.eval.env
+  assert env != "textworld_express"
+  assert {cfg.collect.env, cfg.sft.env, cfg.dpo.env, cfg.real.env, cfg.dreamgym.rl.env} == {env}
+  # Training draws from the train fold, every evaluator from the held-out one, with one prompt layout throughout.
+  assert cfg.collect.split == cfg.real.train_tasks.split == "train" and cfg.collect.games == cfg.real.train_tasks.games
+  held_out = cfg.eval.tasks
+  for e in (cfg.sft.eval, cfg.dpo.eval):
+    assert (e.games, e.split) == (held_out.games, held_out.split)
+  for tasks in (cfg.real.eval_tasks, cfg.dreamgym.rl.eval_tasks):
+    assert (tasks.games, tasks.split) == (held_out.games, held_out.split) and tasks.count <= held_out.count
+  assert held_out.split != "train"
+  assert cfg.real.agent == cfg.sft.agent == cfg.dpo.agent == cfg.dreamgym.rl.agent == cfg.eval.agent
+  turns = {c.rollout.max_turns for c in (cfg.sft, cfg.dpo, cfg.real, cfg.dreamgym.rl, cfg.eval)}
+  assert turns == {cfg.eval.rollout.max_turns}
+  # What does not depend on the env stays as in the TWX comparison.
+  assert cfg.real.rollout.temperature == twx.real.rollout.temperature and cfg.real.optim == twx.real.optim
+  assert (cfg.algorithms, cfg.ablations, cfg.seeds) == (twx.algorithms, twx.ablations, twx.seeds)
+  if not variant:
+    assert cfg.real.rollout.group_size == twx.real.rollout.group_size == 8
+
+
+def test_a_stage_on_another_env_is_refused():
+  import dataclasses
+
+  cfg = load_config("configs/reproduce_alfworld.py:tiny")
+  with pytest.raises(ValueError, match=r"eval.env is 'alfworld' but sft.env is 'textworld_express'"):
+    dataclasses.replace(cfg, sft=load_config("configs/reproduce_twx.py:tiny").sft)
+
+
+def test_rows_sum_the_runs_costs_per_seed(tmp_path):
+  from dreamjax.reproduce import row, table
+
+  runs = []
+  for seed, steps in ((0, [(1.5, 10.0, 30), (2.5, 12.0, 50)]), (1, [(3.0, 8.0, 40)])):
+    folder = tmp_path / f"seed{seed}"
+    folder.mkdir()
+    lines = [json.dumps({"step": i + 1, "env_s": e, "update_s": u, "sampled_tokens": t, "loss": 0.1})
+             for i, (e, u, t) in enumerate(steps)]
+    (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    runs.append((folder, {"seconds": 100.0 + seed, "real_transitions": 20 + seed}))
+  evals = [{"successes": 3, "episodes": 4, "success_rate": 0.75}, {"successes": 1, "episodes": 4, "success_rate": 0.25}]
+  r = row("GRPO (real env)", runs, evals, offline=500)
+  # Means over seeds of each run's totals: env (1.5 + 2.5, 3.0), update (22, 8), tokens (80, 40).
+  assert r["env_s"] == 3.5 and r["update_s"] == 15.0 and r["policy_tokens"] == 60.0
+  assert r["success_rate"] == 0.5 and r["per_seed"] == [0.75, 0.25] and r["seconds"] == 100.5
+  cfg = load_config("configs/reproduce_twx.py:tiny", ["seeds=0,1"])
+  text = table([r], cfg)
+  assert "| GRPO (real env) | 500 | 20 | 0 | 0.500 [" in text and text.rstrip().endswith("| 100 | 4 | 15 | 60 |")

@@ -58,7 +58,7 @@ from dreamjax.envs.base import Task
 from dreamjax.experience.format import ExpFormatConfig
 from dreamjax.experience.sft_data import annotations_for
 from dreamjax.experience.synthetic_env import SyntheticEnv, initial_states_from
-from dreamjax.parallel import SAMPLE_RULES, make_mesh
+from dreamjax.parallel import SAMPLE_RULES, MeshConfig, make_mesh
 from dreamjax.replay.buffer import ReplayBuffer
 from dreamjax.replay.transition import from_trajectories
 from dreamjax.rollout.trajectory import Trajectories
@@ -110,6 +110,40 @@ class CurriculumConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlacementConfig:
+  """Where M_exp runs. "colocated": on the policy's own mesh (every device holds a share of both models; fastest
+  when both fit, since policy and M_exp decode in turn and neither sits idle). "split": the policy, its reference and
+  optimizer state on the first `rl.devices` devices and M_exp (with M_task, its weights) on the next `exp_devices`
+  (0: all the rest), each with its own mesh; an 8B M_exp's weights and KV cache then never compete with the policy's
+  optimizer state for memory. Nothing crosses between the two meshes but text, so no array is resharded between them."""
+
+  mode: str = "colocated"  # colocated | split
+  exp_devices: int = 0
+  exp_mesh: MeshConfig = MeshConfig()  # M_exp's mesh over its devices (split only)
+
+  def __post_init__(self):
+    if self.mode not in ("colocated", "split") or self.exp_devices < 0:
+      raise ValueError(f"PlacementConfig: mode must be colocated or split and exp_devices >= 0, got {self}")
+
+
+def make_meshes(rl: RLConfig, placement: PlacementConfig) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
+  """(the policy's mesh, M_exp's mesh): the same mesh when colocated, disjoint device sets when split."""
+  devices = jax.devices()
+  if placement.mode == "colocated":
+    mesh = make_mesh(rl.mesh, devices[:rl.devices] if rl.devices else None)
+    return mesh, mesh
+  if not rl.devices or rl.devices >= len(devices):
+    raise ValueError(f"PlacementConfig.mode=split: rl.devices must leave devices for M_exp (rl.devices="
+                     f"{rl.devices}, {len(devices)} devices)")
+  rest = devices[rl.devices:]
+  if placement.exp_devices > len(rest):
+    raise ValueError(f"PlacementConfig.exp_devices={placement.exp_devices}: only {len(rest)} devices are left after "
+                     f"the policy's {rl.devices}")
+  return (make_mesh(rl.mesh, devices[:rl.devices]),
+          make_mesh(placement.exp_mesh, rest[:placement.exp_devices] if placement.exp_devices else rest))
+
+
+@dataclasses.dataclass(frozen=True)
 class DreamGymConfig:
   # The policy side, exactly as the real-env loop takes it: warm start, algorithm, optimiser, rollout budgets, and the
   # REAL env with its held-out tasks for evaluation (`rl.train_tasks` is unused: seed tasks come from offline_data).
@@ -123,6 +157,7 @@ class DreamGymConfig:
   exp_temperature: float = 1.0
   exp_max_new_tokens: int = 0  # 0: the decode budget recorded in exp_model.json
   exp_prompt_buckets: tuple[int, ...] = ()  # M_exp prompt widths; empty: powers of two up to its max_len
+  placement: PlacementConfig = PlacementConfig()
   out_dir: str = "runs/dreamgym"
 
   def __post_init__(self):
@@ -273,11 +308,10 @@ def run(cfg: DreamGymConfig) -> dict[str, Any]:
   `out_dir` when there is one), evaluates on the real env, writes the run folder; returns the summary."""
   rl = dataclasses.replace(cfg.rl, out_dir=cfg.out_dir)
   out = Path(cfg.out_dir)
-  devices = jax.devices()[:rl.devices] if rl.devices else None
-  mesh = make_mesh(rl.mesh, devices)
+  mesh, exp_mesh = make_meshes(rl, cfg.placement)
   eval_pool = rl.eval_tasks.tasks(rl.env)
   records, seeds = seed_records(cfg, {t.task_id for t in eval_pool})
-  exp_cfg, exp_params, exp_tok, meta, fmt = load_exp_model(cfg, mesh)
+  exp_cfg, exp_params, exp_tok, meta, fmt = load_exp_model(cfg, exp_mesh)
   root = jax.random.key(rl.seed)
   ckpt, resume = open_checkpoints(rl, out)
   state: dict[str, Any] = ckpt.meta(resume) if resume is not None else {}
@@ -305,9 +339,9 @@ def run(cfg: DreamGymConfig) -> dict[str, Any]:
   buckets = cfg.exp_prompt_buckets or tuple(b for b in (256, 512, 1024, 2048, 4096, 8192) if b < top) + (top,)
   synthetic = SyntheticEnv(exp_cfg, exp_params, exp_tok, fmt, retriever, initial_states=initial_states_from(records),
                            max_new_tokens=max_new, temperature=cfg.exp_temperature, prompt_buckets=buckets,
-                           key=phase_key(root, 0, PHASE_SYNTHETIC), mesh=mesh, tutorials=tutorials,
+                           key=phase_key(root, 0, PHASE_SYNTHETIC), mesh=exp_mesh, tutorials=tutorials,
                            max_steps=rl.rollout.max_turns)
-  task_sampler = Sampler(exp_cfg, cfg.curriculum.max_new_tokens, pad_id=exp_tok.pad_id, mesh=mesh) \
+  task_sampler = Sampler(exp_cfg, cfg.curriculum.max_new_tokens, pad_id=exp_tok.pad_id, mesh=exp_mesh) \
       if cfg.curriculum.enabled and cfg.curriculum.generate_every else None
   encode = retriever.encoder.encode if retriever is not None else make_retriever(
       meta["retrieval_encoder"], meta["encoder_folder"]).encoder.encode

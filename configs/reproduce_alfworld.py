@@ -1,0 +1,58 @@
+"""The paper's main comparison on ALFWorld (games generated locally, ../shared/ENVIRONMENTS.md): data, M_exp, SFT,
+DPO, real-env PPO/GRPO, DreamGym, DreamGym-S2R and the component ablations, each RL method over three seeds, one table.
+
+The stages are those of configs/reproduce_twx.py (same models, optimisers and RL settings), pointed at ALFWorld by
+`dreamjax.reproduce.on_env`: its six task types, 50-step episodes (as verl-agent and the paper), train games from
+ALFRED's training floor plans, held-out games from its held-out ones, and the paper's offline mix (expert demos plus
+oracle/random runs, configs/collect_alfworld.py).
+
+Run:   dreamjax reproduce --config configs/reproduce_alfworld.py          (accelerator; set the model checkpoints)
+Tiny:  dreamjax reproduce --config configs/reproduce_alfworld.py:tiny     (CPU; pick-and-place games, tiny models)
+Rerunning a command resumes it: finished stages are reused. Results: <out_dir>/results.md, results.json, results.svg.
+"""
+
+import dataclasses
+from pathlib import Path
+
+from dreamjax.config import load_config
+from dreamjax.reproduce import ReproduceConfig, on_env
+from dreamjax.rollout.agent import AgentFormat
+from dreamjax.train.rl_real import TaskSpec
+
+HERE = Path(__file__).parent
+TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
+              "pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep", "pick_two_obj_and_place")
+
+
+def config() -> ReproduceConfig:
+  twx = load_config(str(HERE / "reproduce_twx.py"))
+  cfg = on_env(dataclasses.replace(twx, out_dir="runs/reproduce/alfworld"), env="alfworld", env_kwargs=("step_limit=50", "invalid_action=continue"),
+                agent=AgentFormat(think=False, history_turns=4, history_token_budget=768, max_admissible=60),
+                rollout=dict(max_turns=50, max_action_tokens=32, max_episode_tokens=1600,
+                             prompt_buckets=(1024, 2048, 4096)),
+                train=TaskSpec(games=TASK_TYPES, split="train", count=500),
+                # 23 per type, 138 games: about the size of ALFWorld's usual 134-game held-out set
+                held_out=TaskSpec(games=TASK_TYPES, split="eval", count=23))
+  return dataclasses.replace(cfg, collect=load_config(str(HERE / "collect_alfworld.py")))
+
+
+def tiny() -> ReproduceConfig:
+  """Pick-and-place games only (the expert needs about 10 steps), the tiny models and RL budgets of
+  configs/reproduce_twx.py:tiny with smaller groups (an ALFWorld step costs about 0.1-0.2 s on a CPU core)."""
+  twx = load_config(f"{HERE / 'reproduce_twx.py'}:tiny")
+  games = ("pick_and_place_simple",)
+  cfg = on_env(dataclasses.replace(twx, out_dir="runs/reproduce/alfworld_tiny"),
+               env="alfworld", env_kwargs=("step_limit=20", "invalid_action=continue"),
+               agent=AgentFormat(think=False, history_turns=2, history_token_budget=192, max_admissible=40),
+               rollout=dict(max_turns=20, max_action_tokens=16, max_episode_tokens=192, prompt_buckets=(768, 1024)),
+               train=TaskSpec(games=games, split="train", count=200),
+               held_out=TaskSpec(games=games, split="eval", count=20))
+  rl = dict(tasks_per_iteration=2, iterations=8, rollout=dataclasses.replace(cfg.real.rollout, group_size=4))
+  return dataclasses.replace(
+      cfg,
+      collect=dataclasses.replace(cfg.collect, policies=("expert:80", "random:20", "eps0.3:40")),
+      exp=dataclasses.replace(cfg.exp, max_len=1536),
+      real=dataclasses.replace(cfg.real, **rl),
+      dreamgym=dataclasses.replace(cfg.dreamgym, rl=dataclasses.replace(cfg.dreamgym.rl, **rl)),
+      eval=dataclasses.replace(cfg.eval, sampled=False),  # greedy only: ALFWorld episodes are the slow part here
+      s2r_transitions=150)
