@@ -45,11 +45,16 @@ def tiny() -> ReproduceConfig:
                rollout=dict(max_turns=5, max_action_tokens=16, max_episode_tokens=64, prompt_buckets=(384, 768)),
                train=TaskSpec(games=games, split="train", count=200),
                held_out=TaskSpec(games=games, split="eval", count=20))
-  rl = dict(tasks_per_iteration=2, iterations=8, rollout=dataclasses.replace(cfg.real.rollout, group_size=4))
+  # Short RL runs and the loops' own held-out checks on 5 pages; the common final evaluation uses all 20 per task.
+  rl = dict(tasks_per_iteration=2, iterations=6, rollout=dataclasses.replace(cfg.real.rollout, group_size=4),
+            eval_tasks=dataclasses.replace(cfg.real.eval_tasks, count=5))
   return dataclasses.replace(
       cfg,
       collect=dataclasses.replace(cfg.collect, policies=("expert:100", "random:40", "eps0.3:60"), rows_per_worker=4),
       exp=dataclasses.replace(cfg.exp, max_len=1024),
+      sft=dataclasses.replace(cfg.sft, eval=dataclasses.replace(cfg.sft.eval, num_tasks=5)),
+      dpo=dataclasses.replace(cfg.dpo, eval=dataclasses.replace(cfg.dpo.eval, num_tasks=5)),
+      eval=dataclasses.replace(cfg.eval, sampled=False),
       real=dataclasses.replace(cfg.real, **rl),
       dreamgym=dataclasses.replace(cfg.dreamgym, rl=dataclasses.replace(cfg.dreamgym.rl, **rl)),
       s2r_transitions=60)

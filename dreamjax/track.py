@@ -63,6 +63,17 @@ def new_run_id() -> str:
   return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
 
 
+def _broadcast_text(text: str, size: int = 256) -> str:
+  """Process 0's `text` on every process (a collective)."""
+  from jax.experimental import multihost_utils
+
+  data = text.encode()
+  if len(data) > size:
+    raise ValueError(f"run id {text!r} is longer than {size} bytes")
+  buf = np.frombuffer(data.ljust(size, b"\0"), np.uint8)
+  return bytes(np.asarray(multihost_utils.broadcast_one_to_all(buf))).rstrip(b"\0").decode()
+
+
 def truncate_jsonl(path: str | Path, keep: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
   """Rewrites a JSONL file with only the rows `keep` accepts; returns them. A torn last line (a process killed
   mid-write) is dropped; a malformed line before it is an error naming the file and line. A missing file is empty."""
@@ -144,7 +155,10 @@ class Tracker:
                                  name=track_cfg.name or self.out.name, tags=list(track_cfg.tags),
                                  config=dict(cfg_json), dir=str(self.out), id=run_id, resume="allow",
                                  settings=settings)
-    self.run_id = self._wandb.id if self._wandb is not None else (run_id or new_run_id())
+    run_id = self._wandb.id if self._wandb is not None else (run_id or new_run_id())
+    # Every process builds its tracker at the same point; they take process 0's id, so summaries and checkpoint
+    # metadata agree whichever process reads them.
+    self.run_id = _broadcast_text(run_id) if jax.process_count() > 1 else run_id
 
   @property
   def wandb_run(self):

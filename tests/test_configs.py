@@ -15,9 +15,14 @@ from dreamjax.cli import COMMANDS, main
 from dreamjax.config import load_config
 
 CONFIGS = Path(__file__).parent.parent / "configs"
-FILES = sorted(CONFIGS.glob("*.py"))
+# configs/scale/ holds the real-size variants (dreamjax/parallel/memory.py plans them); names are relative to configs/.
+FILES = sorted(CONFIGS.glob("*.py")) + sorted(CONFIGS.glob("scale/*.py"))
 NO_TINY = {"demo.py"}  # its config() is the tiny run already
-RUN_LINE = re.compile(r"dreamjax ([a-z-]+) --config configs/(\w+\.py)(?::(\w+))?")
+RUN_LINE = re.compile(r"dreamjax ([a-z-]+) --config configs/((?:\w+/)?\w+\.py)(?::(\w+))?")
+
+
+def _name(path: Path) -> str:
+  return path.relative_to(CONFIGS).as_posix()
 
 
 def _docstring(path: Path) -> str:
@@ -32,8 +37,8 @@ def _functions(path: Path) -> set[str]:
 
 def _command(path: Path) -> str:
   """The command the file's own docstring runs it with."""
-  commands = {cmd for cmd, name, _ in RUN_LINE.findall(_docstring(path)) if name == path.name}
-  assert len(commands) == 1, f"{path.name}: its docstring should run it with one command, found {commands or 'none'}"
+  commands = {cmd for cmd, name, _ in RUN_LINE.findall(_docstring(path)) if name == _name(path)}
+  assert len(commands) == 1, f"{_name(path)}: its docstring should run it with one command, found {commands or 'none'}"
   return commands.pop()
 
 
@@ -47,7 +52,7 @@ def test_configs_found():
   assert {p.name for p in FILES} >= {"annotate_twx.py", "collect_twx.py", "sample.py", "demo.py"}
 
 
-@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", FILES, ids=_name)
 def test_config_and_tiny_build_their_commands_config(path):
   command = _command(path)
   assert command in COMMANDS, f"{path.name}: `dreamjax {command}` is not a command"
@@ -55,12 +60,12 @@ def test_config_and_tiny_build_their_commands_config(path):
   assert isinstance(expected, type) and dataclasses.is_dataclass(expected)
   cfg = load_config(path)
   assert type(cfg) is expected
-  if path.name in NO_TINY:
+  if _name(path) in NO_TINY:
     assert "tiny" not in _functions(path)
     return
   tiny = load_config(f"{path}:tiny")
   assert type(tiny) is expected and tiny != cfg
-  assert f"dreamjax {command} --config configs/{path.name}:tiny" in _docstring(path)
+  assert f"dreamjax {command} --config configs/{_name(path)}:tiny" in _docstring(path)
   # A tiny run writes elsewhere than the full one, so trying it never mixes into (or resumes) a full run's folder.
   for field in ("out_dir", "trajectories"):
     if hasattr(cfg, field):
@@ -68,8 +73,8 @@ def test_config_and_tiny_build_their_commands_config(path):
 
 
 def test_run_lines_in_docstrings_fit_the_files_they_name():
-  own = {p.name: _command(p) for p in FILES}
-  lines = [(p.name, m) for p in FILES for m in RUN_LINE.findall(_docstring(p))]
+  own = {_name(p): _command(p) for p in FILES}
+  lines = [(_name(p), m) for p in FILES for m in RUN_LINE.findall(_docstring(p))]
   assert len(lines) >= 2 * len(FILES) - len(NO_TINY)
   for where, (command, name, variant) in lines:
     assert name in own, f"{where}: names configs/{name}, which does not exist"

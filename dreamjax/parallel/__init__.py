@@ -1,5 +1,14 @@
-"""Meshes and logical-axis sharding rules."""
+"""Meshes, logical-axis sharding rules, and multi-process initialisation and host helpers."""
 
+from dreamjax.parallel.distributed import (
+    DistributedConfig,
+    barrier,
+    check_same,
+    initialize,
+    is_primary,
+    to_devices,
+    to_host,
+)
 from dreamjax.parallel.mesh import AXES, MeshConfig, make_mesh
 from dreamjax.parallel.sharding import (
     SAMPLE_RULES,
@@ -12,6 +21,7 @@ from dreamjax.parallel.sharding import (
 )
 
 __all__ = [
-    "AXES", "MeshConfig", "make_mesh", "SAMPLE_RULES", "TRAIN_RULES", "Rules", "constrain", "logical_to_spec",
-    "named_sharding", "tree_shardings",
+    "AXES", "DistributedConfig", "MeshConfig", "make_mesh", "SAMPLE_RULES", "TRAIN_RULES", "Rules", "barrier",
+    "check_same", "constrain", "initialize", "is_primary", "logical_to_spec", "named_sharding", "to_devices",
+    "to_host", "tree_shardings",
 ]

@@ -30,6 +30,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from dreamjax.models.config import ModelConfig
 from dreamjax.models.transformer import Transformer
+from dreamjax.parallel.distributed import to_devices, to_host
 from dreamjax.parallel.sharding import TRAIN_RULES, Rules, constrain, named_sharding
 from dreamjax.rl.losses import entropy_from_logits
 
@@ -160,10 +161,10 @@ class LogpScorer:
         buf = np.zeros((self.batch_size, width), x.dtype)
         buf[:n, :t] = x[rows]
         arrays.append(buf)
-      out = self._run(params, *arrays)
-      logp[rows] = np.asarray(out.logp)[:n, :t]
+      out = to_host(self._run(params, *arrays))  # rows sharded over every process's devices: gathered whole
+      logp[rows] = out.logp[:n, :t]
       if values is not None:
-        values[rows] = np.asarray(out.values)[:n, :t]
+        values[rows] = out.values[:n, :t]
     return logp, values
 
   def _run(self, params, tokens, positions, valid) -> TokenLogps:
@@ -171,4 +172,4 @@ class LogpScorer:
       return self._fn(params, tokens, positions, valid)
     rows = named_sharding(("batch", None), tokens.shape, self.mesh, self.rules)
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
-      return self._fn(params, *jax.device_put((tokens, positions, valid), rows))
+      return self._fn(params, *to_devices((tokens, positions, valid), (rows,) * 3))

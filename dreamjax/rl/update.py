@@ -28,6 +28,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dreamjax.models.config import ModelConfig
+from dreamjax.parallel.distributed import to_devices
 from dreamjax.parallel.sharding import TRAIN_RULES, Rules, logical_to_spec
 from dreamjax.rl.batch import TokenBatch, split_micro_batches
 from dreamjax.rl.losses import safe_div
@@ -124,7 +125,8 @@ class TrainStep:
     state_sh = train_state_shardings(model_cfg, optimizer, mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
     fn = functools.partial(fn, grad_shardings=state_sh.params)
-    self._fn = jax.jit(fn, in_shardings=(state_sh, batch_shardings(mesh, rules), replicated),
+    self._batch_shardings = batch_shardings(mesh, rules)
+    self._fn = jax.jit(fn, in_shardings=(state_sh, self._batch_shardings, replicated),
                        out_shardings=(state_sh, replicated), donate_argnums=0)
 
   def compilations(self) -> int:
@@ -137,6 +139,9 @@ class TrainStep:
                        f"row_multiple={self.row_multiple}")
     if self.mesh is None:
       return self._fn(state, batch, rng)
+    # Placed here rather than by jit: with several processes jit refuses host (NumPy) rows for sharded inputs; every
+    # process holds the same rows and places its own devices' share.
+    batch = to_devices(batch, self._batch_shardings)
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
       return self._fn(state, batch, rng)
 

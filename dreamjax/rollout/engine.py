@@ -42,6 +42,7 @@ import numpy as np
 from dreamjax.data.records import StepRecord, TrajectoryRecord
 from dreamjax.envs.base import BatchEnv, Observation, StepResult, Task
 from dreamjax.models.config import ModelConfig
+from dreamjax.parallel.distributed import to_host
 from dreamjax.rollout.agent import INVALID_ANSWER, AgentFormat, build_turn_prompt, fit_turn_prompt, parse_answer
 from dreamjax.rollout.trajectory import Trajectories
 from dreamjax.sampling import Sampler, sampling_params
@@ -176,7 +177,8 @@ class RolloutEngine:
 
       t0 = time.perf_counter()
       keys = _ROW_KEYS(key, turn, n)
-      out = jax.device_get(self.sampler(params, tokens, mask, keys, sp.replace(max_new_tokens=jnp.asarray(budget))))
+      # to_host: with several processes the rows are sharded over all of them, and every process needs every row
+      out = to_host(self.sampler(params, tokens, mask, keys, sp.replace(max_new_tokens=jnp.asarray(budget))))
       stats["sample_s"] += time.perf_counter() - t0
       stats["turns"] += 1
 

@@ -19,6 +19,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from dreamjax.models.config import ModelConfig
 from dreamjax.models.transformer import KVCache, Transformer
+from dreamjax.parallel.distributed import to_devices
 from dreamjax.parallel.sharding import SAMPLE_RULES, Rules, named_sharding, tree_shardings
 from dreamjax.sampling.logits import choose_tokens
 
@@ -176,14 +177,15 @@ class Sampler:
 
   def __call__(self, params, prompt_tokens, prompt_mask, key: jax.Array, sp: SamplingParams) -> SampleOutput:
     """`key`: one PRNG key (split per row) or one key per row [B]."""
-    prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
-    prompt_mask = jnp.asarray(prompt_mask, bool)
-    batch = prompt_tokens.shape[0]
+    batch = np.shape(prompt_tokens)[0]
     keys = key if key.ndim == 1 and key.shape[0] == batch else jax.random.split(key, batch)
     sp = jax.tree.map(jnp.asarray, sp)  # a numpy leaf would be a different jit cache entry than a jax.Array
     if self.mesh is None:
-      return self._fn(params, prompt_tokens, prompt_mask, keys, sp)
-    rows = named_sharding(("batch", None), prompt_tokens.shape, self.mesh, self.rules)
-    prompt_tokens, prompt_mask = jax.device_put((prompt_tokens, prompt_mask), rows)
+      return self._fn(params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool), keys, sp)
+    # Host prompts stay NumPy until `to_devices` places them: with several processes each places only its share.
+    host = [x.astype(t) if isinstance(x, jax.Array) else np.asarray(x, t)
+            for x, t in ((prompt_tokens, np.int32), (prompt_mask, bool))]
+    rows = named_sharding(("batch", None), host[0].shape, self.mesh, self.rules)
+    prompt_tokens, prompt_mask = to_devices(tuple(host), (rows, rows))
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
       return self._fn(params, prompt_tokens, prompt_mask, keys, sp)

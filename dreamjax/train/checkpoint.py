@@ -21,6 +21,14 @@ files are committed.
 
 Restoring onto a tree that does not match the checkpoint (other leaves, shapes or dtypes) raises a ValueError naming
 the folder, the step and the first differing paths, rather than orbax's silent dtype casts or deep tracebacks.
+
+Several processes (`dreamjax.parallel.initialize`): every process calls `save`, `restore`, `wait` and `close` at the
+same points (orbax's saves and restores are collectives; it writes the JSON items, the commit marker and NumPy leaves
+from process 0 only, each process writes its own array shards into the one shared folder, and a save's background
+thread returns on every process only after process 0 committed, behind orbax's own barrier, so `wait` and `latest_step`
+never see a step early on any process). A process-local jax.Array (one living on a single device of each process, e.g.
+a root PRNG key every process holds alike) is one orbax refuses to save; it is saved as a global array replicated over
+every device (process 0's copy is written), and restored back onto the target's local device.
 """
 
 from __future__ import annotations
@@ -79,6 +87,26 @@ def _abstract(x: Any) -> Any:
   return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
 
 
+def _everywhere() -> NamedSharding:
+  """Replicated over every device of every process."""
+  return NamedSharding(jax.sharding.Mesh(np.asarray(jax.devices()), ("all",)), PartitionSpec())
+
+
+def _process_local(x: Any) -> bool:
+  """A jax.Array (or restore target) living only on this process's devices while other processes exist."""
+  sharding = getattr(x, "sharding", None)
+  return jax.process_count() > 1 and sharding is not None and sharding.is_fully_addressable
+
+
+def _to_global(x: Any) -> Any:
+  """A process-local jax.Array as one replicated over all processes' devices, which orbax can save; the processes
+  hold the same value (they run the same program), and orbax writes process 0's copy."""
+  if not (isinstance(x, jax.Array) and _process_local(x)):
+    return x
+  value = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, _everywhere(), lambda index: value[index])
+
+
 def generator_state(rng: np.random.Generator) -> dict[str, Any]:
   """A NumPy Generator's state as JSON (for `meta`)."""
   return {"bit_generator": type(rng.bit_generator).__name__, "state": rng.bit_generator.state}
@@ -128,7 +156,7 @@ class RunCheckpointer:
       raise ValueError(f"RunCheckpointer.save (step {step} in {self.folder}): leaf {other!r} is not an array; "
                        f"put Python values in meta")
     keys = {_path(p): str(jax.random.key_impl(x)) for p, x in flat if _is_key(x)}
-    data = jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, arrays)
+    data = jax.tree.map(lambda x: _to_global(jax.random.key_data(x) if _is_key(x) else x), arrays)
     self._manager.save(step, args=ocp.args.Composite(arrays=ocp.args.StandardSave(data), meta=ocp.args.JsonSave(meta),
                                                      keys=ocp.args.JsonSave(keys)))
 
@@ -147,15 +175,25 @@ class RunCheckpointer:
     lists with the saved shardings (inspection on the same devices)."""
     step = self._committed(step)
     keys = self._manager.restore(step, args=ocp.args.Composite(keys=ocp.args.JsonRestore()))["keys"] or {}
+    local: dict[str, Any] = {}  # path -> the process-local sharding a leaf goes back to (several processes only)
     if like is None:
       target = ocp.args.StandardRestore()
     else:
       abstract = jax.tree.map(_abstract, like)
       self._check(step, like, abstract, keys)
-      target = ocp.args.StandardRestore(abstract)
+
+      def globalise(path, t):
+        if not (isinstance(t, jax.ShapeDtypeStruct) and _process_local(t)):
+          return t
+        local[_path(path)] = t.sharding
+        return jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=_everywhere())
+
+      target = ocp.args.StandardRestore(jax.tree_util.tree_map_with_path(globalise, abstract))
     out = self._manager.restore(step, args=ocp.args.Composite(arrays=target, meta=ocp.args.JsonRestore()))
 
     def wrap(path, x):
+      if _path(path) in local:
+        x = jax.device_put(x.addressable_data(0), local[_path(path)])
       impl = keys.get(_path(path))
       return jax.random.wrap_key_data(x, impl=impl) if impl is not None else x
 

@@ -33,6 +33,17 @@ outcomes), summary.json, learning_curve.svg (held-out success against iterations
 (training curves), checkpoints/ (the last `keep_checkpoints`), and the final policy as an HF checkpoint folder `final/`.
 With `track.wandb` "online" or "offline" the same metrics go to Weights & Biases (offline: under `out_dir/wandb`).
 
+Several processes (multi-host: TPU pods, multi-GPU hosts). `run` first calls `dreamjax.parallel.initialize(
+cfg.distributed)` (from the config or the usual launcher environment; a no-op for one process), so the mesh spans
+every process's devices. Every process then runs this same host program on the same seeds and tasks: each steps its
+own copy of the envs (text envs are cheap next to the model, and duplicated stepping keeps every process's prompts,
+trajectories and batches identical without any host-to-host messages; `check_same` compares a digest of each rollout
+and fails loudly if an env is not deterministic), sampling, scoring and the update are one SPMD program over the
+whole mesh, and the sampler's and scorer's row-sharded outputs are gathered whole (`to_host`). Process 0 alone writes
+the run folder's files (config, metrics, evals, summary, plots, the tiny init model, final/, W&B); checkpoints are
+saved by every process (orbax: each writes its own shards, process 0 the metadata and commit marker). `out_dir` must
+therefore be a filesystem every process sees.
+
 Checkpoints and resume. Every `checkpoint_every` iterations (and after the last) `run` saves, with orbax
 (`dreamjax.train.checkpoint`), the TrainState (parameters, optimizer state, step), the frozen reference, the root
 key, and as JSON the iteration, the real transitions consumed, the evaluations so far and the tracker's run id.
@@ -62,7 +73,17 @@ from dreamjax.data.collect import env_tasks, parse_env_kwargs
 from dreamjax.envs.base import BatchEnv, SerialBatchEnv, Task
 from dreamjax.envs.registry import make_env
 from dreamjax.models import ModelConfig, tiny
-from dreamjax.parallel import TRAIN_RULES, MeshConfig, make_mesh
+from dreamjax.parallel import (
+    TRAIN_RULES,
+    DistributedConfig,
+    MeshConfig,
+    barrier,
+    check_same,
+    initialize,
+    is_primary,
+    make_mesh,
+    to_host,
+)
 from dreamjax.rl.batch import TokenBatch, rl_batch
 from dreamjax.rl.logprobs import LogpScorer
 from dreamjax.rl.objectives import Objective, PolicyGradientConfig
@@ -143,6 +164,7 @@ class RLConfig:
   seed: int = 0
   mesh: MeshConfig = MeshConfig()
   devices: int = 0  # devices the mesh uses (the first ones); 0: all
+  distributed: DistributedConfig = DistributedConfig()  # multi-process runs (default: from the environment)
 
   def __post_init__(self):
     if self.algorithm not in ALGORITHMS:
@@ -337,6 +359,8 @@ class RealEnvRL:
     traj = self.engine.run(self.sampling_params(), env, tasks, phase_key(self.root, iteration, PHASE_ROLLOUT),
                            iteration)
     stats = self.engine.stats
+    # Each process stepped its own envs; the update below assumes they all hold this same rollout.
+    check_same(f"the rollout of iteration {iteration}", traj.tokens, traj.reward, traj.done, traj.invalid)
     unparsed = unparsed_rows(traj, self.tokenizer)
     self.real_transitions += int((~unparsed).sum())
     batch, times = self.build_batch(traj)
@@ -414,9 +438,12 @@ def load_policy(cfg: RLConfig, out: Path, resuming: bool, env: BatchEnv, pool: l
   elif resuming and (init_model / "config.json").is_file():
     folder = init_model
   else:
-    folder = build_tiny_checkpoint(dataclasses.replace(cfg.model, value_head=cfg.model.value_head or
-                                                       cfg.algorithm == "ppo"),
-                                   tokenizer_texts(cfg.agent, env, pool, cfg.rows), init_model, cfg.seed)
+    folder = init_model
+    texts = tokenizer_texts(cfg.agent, env, pool, cfg.rows)  # every process: it steps the envs alike
+    if is_primary():  # one writer; the others load the folder after the barrier
+      build_tiny_checkpoint(dataclasses.replace(cfg.model, value_head=cfg.model.value_head or cfg.algorithm == "ppo"),
+                            texts, init_model, cfg.seed)
+    barrier("rl_real.init_model")
   model_cfg, params, tok = load_model(folder, value_head=cfg.algorithm == "ppo", mesh=mesh, seed=cfg.seed)
   return folder, model_cfg, params, tok
 
@@ -425,6 +452,7 @@ def run(cfg: RLConfig, env: BatchEnv | None = None) -> dict[str, Any]:
   """The `dreamjax rl` command: trains (resuming from the latest checkpoint in `out_dir` when there is one),
   evaluates, writes the run folder; returns the summary. `env` may be any BatchEnv taking `cfg.rows` rows (it is not
   closed here); by default one is made from the config."""
+  initialize(cfg.distributed)  # before anything touches devices: after it, jax.devices() spans every process
   out = Path(cfg.out_dir)
   devices = jax.devices()[:cfg.devices] if cfg.devices else None
   mesh = make_mesh(cfg.mesh, devices)
@@ -517,7 +545,9 @@ def run(cfg: RLConfig, env: BatchEnv | None = None) -> dict[str, Any]:
           checkpoint(it + 1)
         if final:
           break
-    save_model(learner.params, model_cfg, folder, out / "final")
+    final_params = to_host(learner.params)  # a collective: every process gathers, one writes
+    if tracker.primary:
+      save_model(final_params, model_cfg, folder, out / "final")
     summary = {"algorithm": cfg.algorithm, "iterations": last, "real_transitions": learner.real_transitions,
                "initial": evals[0], "final": evals[-1], "evals": evals, "seconds": time.perf_counter() - start,
                "checkpoint": str(out / "final"), "resumed_from": resume, "run_id": tracker.run_id}

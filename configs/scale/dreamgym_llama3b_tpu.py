@@ -1,0 +1,93 @@
+"""DreamGym (GRPO) on TextWorld-Express at the paper's scale: a Llama-3.2-3B-Instruct policy, a Llama-3.1-8B-Instruct
+experience model, on a TPU v4-64 slice (32 chips, 8 hosts, 32 GiB HBM per chip).
+
+The policy side is configs/grpo_real_twx.py's (verl-agent's defaults, PAPER.md "RL": B = 16 tasks x G = 8, lr 1e-6,
+low-variance KL 0.02, invalid-action penalty 0.1); the rest is configs/dreamgym_twx.py's. Set here: the checkpoints,
+the mesh and the micro-batches that make it fit, and M_exp's prompt widths (fixed, so the plan below is exact).
+
+Before: offline data, the M_exp SFT and the policy SFT warm start, each on the same slice (every command runs on all
+workers at once through tpu/tpu_run.sh; tpu/README.md), from HF folders copied to every worker (CKPT):
+       dreamjax collect --config configs/collect_twx.py
+       dreamjax train-exp --config configs/train_exp_twx.py --set model.checkpoint=$CKPT/Llama-3.1-8B-Instruct \
+         --set out_dir=runs/exp_sft/twx_llama8b --set mesh.fsdp=4 --set mesh.tensor=8 \
+         --set micro_batches=8
+       dreamjax train-policy --config configs/train_policy_twx.py --set model.checkpoint=$CKPT/Llama-3.2-3B-Instruct \
+         --set out_dir=runs/policy_sft/twx_llama3b --set mesh.fsdp=4 --set mesh.tensor=8 --set optim.lr=1e-5 \
+         --set micro_batches=8
+Run:   dreamjax dreamgym --config configs/scale/dreamgym_llama3b_tpu.py
+       tpu/tpu_run.sh dreamgym configs/scale/dreamgym_llama3b_tpu.py          (from your workstation: every worker)
+Tiny (CPU; the same pipeline at test size, see configs/dreamgym_twx.py):
+       dreamjax dreamgym --config configs/scale/dreamgym_llama3b_tpu.py:tiny
+
+Why this layout: M_exp sits in the sampling layout (weights whole along fsdp) for the whole run, so its 8B weights
+must split over tensor; tensor = 8 divides every head count (24 and 32 query heads, 8 KV heads). Without fused
+attention the prefills hold [rows, heads, prompt, slots] float32 scores over all 128 rows at once, split only by
+data x fsdp x tensor: on a v4-32 (16 chips) M_exp's prefill at its 3072-token prompts alone would need 32 GiB, so
+this runs on 32 chips; the update runs one row per device per micro-batch for the same reason. Weights load in
+float32 (the loaders keep checkpoints in ModelConfig.param_dtype, float32 by default).
+
+Memory per device (estimates; dreamjax/parallel/memory.py says what each line counts), recomputed by
+tests/test_memory.py from this command:
+  python tools/memory_plan.py --config configs/scale/dreamgym_llama3b_tpu.py --accelerator v4 \
+    --arch policy=llama-3.2-3b --arch exp=llama-3.1-8b
+
+  configs/scale/dreamgym_llama3b_tpu.py (DreamGymConfig)
+  mesh data=1 fsdp=4 tensor=8 (32 devices)
+  policy: 3.213B params, float32 weights, float32 compute, remat none
+  M_exp: 8.030B params, float32 weights, float32 compute, remat none
+  component                                           GiB/device  live in
+  policy params (train layout)                              0.37  all
+  AdamW moments (2 x params dtype)                          0.75  all
+  reference params (train layout)                           0.37  all
+  M_exp params (sampling layout)                            3.74  all
+  policy params re-laid out for sampling                    1.50  rollout,exp_step
+  policy KV cache (128 rows x 2080 slots)                   1.78  rollout
+  policy prefill (128 rows x 2048)                          5.80  rollout
+  scoring forward (32 rows x 2304)                          1.82  score
+  gradients (f32 accumulator + one in dtype)                0.75  update
+  activations (1 rows/device x 2304, per micro-batch)       9.43  update
+  M_exp KV cache (128 rows x 3584 slots)                    3.50  exp_step
+  M_exp prefill (128 rows x 3072)                          16.31  exp_step
+  M_task KV cache (8 rows x 4224 slots)                     0.26  task_gen
+  M_task prefill (8 rows x 4096)                            1.52  task_gen
+  peak rollout                                             14.31
+  peak exp_step                                            26.55
+  peak score                                                7.06
+  peak update                                              15.42
+  peak task_gen                                             7.01
+  fits in 32 GiB per device (83% at the peak)
+"""
+
+import dataclasses
+from pathlib import Path
+
+from dreamjax.config import load_config
+from dreamjax.parallel import MeshConfig
+from dreamjax.train.dreamgym import DreamGymConfig
+from dreamjax.train.run import ModelSource
+
+_BASE = str(Path(__file__).parent.parent / "dreamgym_twx.py")
+
+
+def config() -> DreamGymConfig:
+  base = load_config(_BASE)
+  rl = dataclasses.replace(
+      base.rl,
+      model=ModelSource(checkpoint="runs/policy_sft/twx_llama3b/checkpoint"),
+      mesh=MeshConfig(data=1, fsdp=4, tensor=8),
+      micro_batches=64,  # 256 rows per step over data x fsdp = 4: one row per device per micro-batch
+      score_batch=32,
+  )
+  return dataclasses.replace(
+      base,
+      rl=rl,
+      exp_model="runs/exp_sft/twx_llama8b/checkpoint",
+      exp_prompt_buckets=(1024, 2048, 3072),  # up to configs/train_exp_twx.py's max_len
+      exp_max_new_tokens=512,
+      out_dir="runs/dreamgym/grpo_twx_llama3b_tpu",
+  )
+
+
+def tiny() -> DreamGymConfig:
+  """configs/dreamgym_twx.py:tiny (a tiny policy and M_exp, one CPU device) writing to its own folder."""
+  return dataclasses.replace(load_config(f"{_BASE}:tiny"), out_dir="runs/dreamgym/scale_llama3b_tpu_tiny")

@@ -1,0 +1,94 @@
+"""DreamGym (GRPO) on TextWorld-Express at the paper's scale: a Llama-3.1-8B-Instruct policy and a Llama-3.1-8B-Instruct
+experience model, on two 8xH100 hosts (16 GPUs, 80 GB each), one JAX process per host.
+
+The policy side is configs/grpo_real_twx.py's (verl-agent's defaults, PAPER.md "RL": B = 16 tasks x G = 8, lr 1e-6,
+low-variance KL 0.02, invalid-action penalty 0.1); the rest is configs/dreamgym_twx.py's. Set here: the checkpoints,
+the mesh and the micro-batches that make it fit, and M_exp's prompt widths (fixed, so the plan below is exact).
+
+Before: offline data, the M_exp SFT and the policy SFT warm start, each on the same hosts (every command runs as one
+process per host through tpu/gpu_slurm.sbatch or tpu/gpu_ssh_run.sh; tpu/README.md), from HF folders on every host:
+       dreamjax collect --config configs/collect_twx.py
+       dreamjax train-exp --config configs/train_exp_twx.py --set model.checkpoint=$CKPT/Llama-3.1-8B-Instruct \
+         --set out_dir=runs/exp_sft/twx_llama8b --set mesh.fsdp=2 --set mesh.tensor=8 \
+         --set micro_batches=16
+       dreamjax train-policy --config configs/train_policy_twx.py --set model.checkpoint=$CKPT/Llama-3.1-8B-Instruct \
+         --set out_dir=runs/policy_sft/twx_llama8b --set mesh.fsdp=2 --set mesh.tensor=8 --set optim.lr=1e-5 \
+         --set micro_batches=16
+Run:   dreamjax dreamgym --config configs/scale/dreamgym_llama8b_gpu.py
+       sbatch tpu/gpu_slurm.sbatch dreamgym configs/scale/dreamgym_llama8b_gpu.py       (SLURM: 2 nodes, a task each)
+Tiny (CPU; the same pipeline at test size, see configs/dreamgym_twx.py):
+       dreamjax dreamgym --config configs/scale/dreamgym_llama8b_gpu.py:tiny
+
+Why this layout: the mesh is laid over the processes in order, so tensor = 8 is one host's 8 GPUs on NVLink and
+fsdp = 2 spans the two hosts (weights are all-gathered across hosts once per layer and step, not per token). 8
+divides every head count (32 query heads, 8 KV heads), and M_exp, which sits in the sampling layout (whole along
+fsdp) for the whole run, splits 8 ways. Without fused attention the prefills hold [rows, heads, prompt, slots]
+float32 scores over all 128 rows at once; with the update at two rows per device per micro-batch the peak is M_exp's
+turn. Weights load in float32 (the loaders keep checkpoints in ModelConfig.param_dtype, float32 by default); "h100"
+below is 90% of 80 GB, the share tpu/gpu_*.sh give XLA (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9).
+
+Memory per device (estimates; dreamjax/parallel/memory.py says what each line counts), recomputed by
+tests/test_memory.py from this command:
+  python tools/memory_plan.py --config configs/scale/dreamgym_llama8b_gpu.py --accelerator h100 \
+    --arch policy=llama-3.1-8b --arch exp=llama-3.1-8b
+
+  configs/scale/dreamgym_llama8b_gpu.py (DreamGymConfig)
+  mesh data=1 fsdp=2 tensor=8 (16 devices)
+  policy: 8.030B params, float32 weights, float32 compute, remat none
+  M_exp: 8.030B params, float32 weights, float32 compute, remat none
+  component                                           GiB/device  live in
+  policy params (train layout)                              1.87  all
+  AdamW moments (2 x params dtype)                          3.74  all
+  reference params (train layout)                           1.87  all
+  M_exp params (sampling layout)                            3.74  all
+  policy params re-laid out for sampling                    3.74  rollout,exp_step
+  policy KV cache (128 rows x 2080 slots)                   4.06  rollout
+  policy prefill (128 rows x 2048)                         15.88  rollout
+  scoring forward (32 rows x 2304)                          4.91  score
+  gradients (f32 accumulator + one in dtype)                3.74  update
+  activations (2 rows/device x 2304, per micro-batch)      29.16  update
+  M_exp KV cache (128 rows x 3584 slots)                    7.00  exp_step
+  M_exp prefill (128 rows x 3072)                          32.62  exp_step
+  M_task KV cache (8 rows x 4224 slots)                     0.52  task_gen
+  M_task prefill (8 rows x 4096)                            3.03  task_gen
+  peak rollout                                             34.90
+  peak exp_step                                            54.59
+  peak score                                               16.14
+  peak update                                              44.12
+  peak task_gen                                            14.77
+  fits in 72 GiB per device (76% at the peak)
+"""
+
+import dataclasses
+from pathlib import Path
+
+from dreamjax.config import load_config
+from dreamjax.parallel import MeshConfig
+from dreamjax.train.dreamgym import DreamGymConfig
+from dreamjax.train.run import ModelSource
+
+_BASE = str(Path(__file__).parent.parent / "dreamgym_twx.py")
+
+
+def config() -> DreamGymConfig:
+  base = load_config(_BASE)
+  rl = dataclasses.replace(
+      base.rl,
+      model=ModelSource(checkpoint="runs/policy_sft/twx_llama8b/checkpoint"),
+      mesh=MeshConfig(data=1, fsdp=2, tensor=8),
+      micro_batches=64,  # 256 rows per step over data x fsdp = 2: two rows per device per micro-batch
+      score_batch=32,
+  )
+  return dataclasses.replace(
+      base,
+      rl=rl,
+      exp_model="runs/exp_sft/twx_llama8b/checkpoint",
+      exp_prompt_buckets=(1024, 2048, 3072),  # up to configs/train_exp_twx.py's max_len
+      exp_max_new_tokens=512,
+      out_dir="runs/dreamgym/grpo_twx_llama8b_gpu",
+  )
+
+
+def tiny() -> DreamGymConfig:
+  """configs/dreamgym_twx.py:tiny (a tiny policy and M_exp, one CPU device) writing to its own folder."""
+  return dataclasses.replace(load_config(f"{_BASE}:tiny"), out_dir="runs/dreamgym/scale_llama8b_gpu_tiny")

@@ -1,0 +1,94 @@
+"""DreamGym (GRPO) on TextWorld-Express at the paper's scale: a Qwen2.5-7B-Instruct policy and a Llama-3.1-8B-Instruct
+experience model, on a TPU v5p-32 slice (16 chips, 4 hosts, 95 GiB HBM per chip).
+
+The policy side is configs/grpo_real_twx.py's (verl-agent's defaults, PAPER.md "RL": B = 16 tasks x G = 8, lr 1e-6,
+low-variance KL 0.02, invalid-action penalty 0.1); the rest is configs/dreamgym_twx.py's. Set here: the checkpoints,
+the mesh and the micro-batches that make it fit, and M_exp's prompt widths (fixed, so the plan below is exact).
+Policy and M_exp have different tokenizers; each formats its own prompts, only text passes between them.
+
+Before: offline data, the M_exp SFT and the policy SFT warm start, each on the same slice (every command runs on all
+workers at once through tpu/tpu_run.sh; tpu/README.md), from HF folders copied to every worker (CKPT):
+       dreamjax collect --config configs/collect_twx.py
+       dreamjax train-exp --config configs/train_exp_twx.py --set model.checkpoint=$CKPT/Llama-3.1-8B-Instruct \
+         --set out_dir=runs/exp_sft/twx_llama8b --set mesh.fsdp=4 --set mesh.tensor=4 \
+         --set micro_batches=8
+       dreamjax train-policy --config configs/train_policy_twx.py --set model.checkpoint=$CKPT/Qwen2.5-7B-Instruct \
+         --set out_dir=runs/policy_sft/twx_qwen7b --set mesh.fsdp=4 --set mesh.tensor=4 --set optim.lr=1e-5 \
+         --set micro_batches=8
+Run:   dreamjax dreamgym --config configs/scale/dreamgym_qwen7b_tpu.py
+       tpu/tpu_run.sh dreamgym configs/scale/dreamgym_qwen7b_tpu.py           (from your workstation: every worker)
+Tiny (CPU; the same pipeline at test size, see configs/dreamgym_twx.py):
+       dreamjax dreamgym --config configs/scale/dreamgym_qwen7b_tpu.py:tiny
+
+Why this layout: Qwen2.5-7B has 28 query heads and 4 KV heads, so the tensor axis can be at most 4 (a larger one
+would leave the KV heads, and the KV cache, whole on every device); fsdp = 4 takes the rest of the 16 chips. M_exp
+sits in the sampling layout (whole along fsdp) for the whole run and splits 4 ways. Without fused attention the
+prefills hold [rows, heads, prompt, slots] float32 scores over all 128 rows at once; 95 GiB leave room for two rows
+per device per micro-batch in the update. Weights load in float32 (the loaders keep checkpoints in
+ModelConfig.param_dtype, float32 by default).
+
+Memory per device (estimates; dreamjax/parallel/memory.py says what each line counts), recomputed by
+tests/test_memory.py from this command:
+  python tools/memory_plan.py --config configs/scale/dreamgym_qwen7b_tpu.py --accelerator v5p \
+    --arch policy=qwen2.5-7b --arch exp=llama-3.1-8b
+
+  configs/scale/dreamgym_qwen7b_tpu.py (DreamGymConfig)
+  mesh data=1 fsdp=4 tensor=4 (16 devices)
+  policy: 7.616B params, float32 weights, float32 compute, remat none
+  M_exp: 8.030B params, float32 weights, float32 compute, remat none
+  component                                           GiB/device  live in
+  policy params (train layout)                              1.77  all
+  AdamW moments (2 x params dtype)                          3.55  all
+  reference params (train layout)                           1.77  all
+  M_exp params (sampling layout)                            7.48  all
+  policy params re-laid out for sampling                    7.09  rollout,exp_step
+  policy KV cache (128 rows x 2080 slots)                   1.78  rollout
+  policy prefill (128 rows x 2048)                         12.05  rollout
+  scoring forward (32 rows x 2304)                          4.04  score
+  gradients (f32 accumulator + one in dtype)                3.55  update
+  activations (2 rows/device x 2304, per micro-batch)      39.97  update
+  M_exp KV cache (128 rows x 3584 slots)                    7.00  exp_step
+  M_exp prefill (128 rows x 3072)                          28.12  exp_step
+  M_task KV cache (8 rows x 4224 slots)                     0.52  task_gen
+  M_task prefill (8 rows x 4096)                            2.66  task_gen
+  peak rollout                                             35.49
+  peak exp_step                                            56.79
+  peak score                                               18.61
+  peak update                                              58.09
+  peak task_gen                                            17.75
+  fits in 95 GiB per device (61% at the peak)
+"""
+
+import dataclasses
+from pathlib import Path
+
+from dreamjax.config import load_config
+from dreamjax.parallel import MeshConfig
+from dreamjax.train.dreamgym import DreamGymConfig
+from dreamjax.train.run import ModelSource
+
+_BASE = str(Path(__file__).parent.parent / "dreamgym_twx.py")
+
+
+def config() -> DreamGymConfig:
+  base = load_config(_BASE)
+  rl = dataclasses.replace(
+      base.rl,
+      model=ModelSource(checkpoint="runs/policy_sft/twx_qwen7b/checkpoint"),
+      mesh=MeshConfig(data=1, fsdp=4, tensor=4),
+      micro_batches=32,  # 256 rows per step over data x fsdp = 4: two rows per device per micro-batch
+      score_batch=32,
+  )
+  return dataclasses.replace(
+      base,
+      rl=rl,
+      exp_model="runs/exp_sft/twx_llama8b/checkpoint",
+      exp_prompt_buckets=(1024, 2048, 3072),  # up to configs/train_exp_twx.py's max_len
+      exp_max_new_tokens=512,
+      out_dir="runs/dreamgym/grpo_twx_qwen7b_tpu",
+  )
+
+
+def tiny() -> DreamGymConfig:
+  """configs/dreamgym_twx.py:tiny (a tiny policy and M_exp, one CPU device) writing to its own folder."""
+  return dataclasses.replace(load_config(f"{_BASE}:tiny"), out_dir="runs/dreamgym/scale_qwen7b_tpu_tiny")

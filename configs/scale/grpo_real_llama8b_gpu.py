@@ -1,0 +1,69 @@
+"""GRPO against the real TextWorld-Express games (the paper's "GRPO, real env" baseline) with a Llama-3.1-8B-Instruct
+policy, on one 8xH100 host (8 GPUs, 80 GB each): configs/grpo_real_twx.py with a checkpoint and a mesh.
+
+Before: offline data and the policy SFT warm start on the same host (tpu/README.md, "multi-GPU"):
+       dreamjax collect --config configs/collect_twx.py
+       dreamjax train-policy --config configs/train_policy_twx.py --set model.checkpoint=$CKPT/Llama-3.1-8B-Instruct \
+         --set out_dir=runs/policy_sft/twx_llama8b --set mesh.fsdp=1 --set mesh.tensor=8 --set optim.lr=1e-5 \
+         --set micro_batches=32
+Run:   dreamjax rl --config configs/scale/grpo_real_llama8b_gpu.py
+S2R (DreamGym-S2R, PAPER.md): the same from DreamGym's final policy with a 5K real-transition budget,
+       --set model.checkpoint=runs/dreamgym/grpo_twx_llama8b_gpu/final --set max_real_transitions=5000
+Tiny (CPU; see configs/grpo_real_twx.py):
+       dreamjax rl --config configs/scale/grpo_real_llama8b_gpu.py:tiny
+
+Why this layout: one process drives all 8 GPUs; tensor = 8 (NVLink) divides the 32 query and 8 KV heads, and with
+fsdp = 1 the training and sampling layouts coincide, so rollouts sample from the trained weights in place (no
+re-laid-out copy). Every device then holds all 128 rollout rows, whose float32 prefill scores dominate the rollout;
+the update runs two rows per micro-batch. Weights load in float32 (the loaders keep checkpoints in
+ModelConfig.param_dtype, float32 by default); "h100" below is 90% of 80 GB, the share tpu/gpu_*.sh give XLA.
+
+Memory per device (estimates; dreamjax/parallel/memory.py says what each line counts), recomputed by
+tests/test_memory.py from this command:
+  python tools/memory_plan.py --config configs/scale/grpo_real_llama8b_gpu.py --accelerator h100 \
+    --arch policy=llama-3.1-8b
+
+  configs/scale/grpo_real_llama8b_gpu.py (RLConfig)
+  mesh data=1 fsdp=1 tensor=8 (8 devices)
+  policy: 8.030B params, float32 weights, float32 compute, remat none
+  component                                           GiB/device  live in
+  policy params (train layout)                              3.74  all
+  AdamW moments (2 x params dtype)                          7.48  all
+  reference params (train layout)                           3.74  all
+  policy params re-laid out for sampling                    0.00  rollout
+  policy KV cache (128 rows x 2080 slots)                   8.12  rollout
+  policy prefill (128 rows x 2048)                         31.75  rollout
+  scoring forward (32 rows x 2304)                          9.42  score
+  gradients (f32 accumulator + one in dtype)                7.48  update
+  activations (2 rows/device x 2304, per micro-batch)      28.99  update
+  peak rollout                                             54.84
+  peak score                                               24.38
+  peak update                                              51.43
+  fits in 72 GiB per device (76% at the peak)
+"""
+
+import dataclasses
+from pathlib import Path
+
+from dreamjax.config import load_config
+from dreamjax.parallel import MeshConfig
+from dreamjax.train.rl_real import RLConfig
+from dreamjax.train.run import ModelSource
+
+_BASE = str(Path(__file__).parent.parent / "grpo_real_twx.py")
+
+
+def config() -> RLConfig:
+  return dataclasses.replace(
+      load_config(_BASE),
+      model=ModelSource(checkpoint="runs/policy_sft/twx_llama8b/checkpoint"),
+      mesh=MeshConfig(data=1, fsdp=1, tensor=8),
+      micro_batches=128,  # 256 rows per step, not split over devices (data x fsdp = 1): two rows per micro-batch
+      score_batch=32,
+      out_dir="runs/rl_real/grpo_twx_llama8b_gpu",
+  )
+
+
+def tiny() -> RLConfig:
+  """configs/grpo_real_twx.py:tiny (a tiny policy, one CPU device) writing to its own folder."""
+  return dataclasses.replace(load_config(f"{_BASE}:tiny"), out_dir="runs/rl_real/scale_llama8b_gpu_tiny")

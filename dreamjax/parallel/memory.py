@@ -1,0 +1,411 @@
+"""Memory arithmetic: parameter counts and bytes per device of an RL or DreamGym run, from configs alone.
+
+Nothing here allocates or traces: parameters are enumerated from the `ModelConfig` exactly as
+`dreamjax.models.transformer` declares them (names, shapes, logical axes; tests check the list against
+`abstract_params`), and each array's shard on one device comes from `logical_to_spec` over an `AbstractMesh`, so the
+sharding arithmetic is the rule tables' own, not a copy of it.
+
+What the loops keep on a device, and in which layout (read from dreamjax/rl and dreamjax/train):
+- policy parameters in the TRAIN_RULES layout (`embed` over fsdp, heads / kv heads / mlp / vocab over tensor);
+- AdamW state: `optax.scale_by_adam` keeps two moments in the parameters' dtype (no float32 master copy: the update
+  is applied to the parameters themselves), sharded like them; the rest of the chain is stateless or scalars;
+- gradients: the update step accumulates micro-batch gradients in a float32 tree (constrained to the parameters'
+  shardings) and holds one micro-batch's gradient in the parameter dtype beside it;
+- the frozen reference (GRPO's KL term): a copy of the warm start, in the TRAIN_RULES layout the policy was loaded in;
+- during rollouts, the policy's parameters re-laid out for the sampler (SAMPLE_RULES keep `embed` whole, so under
+  fsdp this is a second, larger copy; with fsdp = 1 the layouts agree and no copy is made);
+- M_exp (DreamGym): loaded once in the SAMPLE_RULES layout, resident for the whole run;
+- KV caches, allocated inside each sampler call: layers x 2 x kv_heads x head_dim x slots per row in the compute
+  dtype, rows over (data, fsdp) and kv heads over tensor where they divide.
+
+Activations are an estimate, documented here so it can be checked: per token and layer the backward pass needs the
+inputs and outputs of both RMSNorms (4 E), post-RoPE q and k and v ((H + 2 K) D), the attention output (H D), gate,
+up and their product (3 M), all in the compute dtype, plus the attention scores, which this model materialises (no
+fused attention kernel): H x T each for the scores, the masked scores and the probabilities in float32 (what XLA kept
+on CPU, measured), and the probabilities again in the compute dtype when that is narrower. Head- and
+MLP-sized terms divide by the tensor axis when it divides their dimension. With `remat="none"` all L layers keep
+that; with "full" only each layer's input (E) is kept; with "dots" the outputs of the weight matmuls
+((H + 2 K) D + 2 M + 2 E) and the input are kept. Either remat mode adds one layer's full set (recomputed in the
+backward pass). One more layer's worth covers the backward temporaries, and the vocabulary projection, chunked by
+`dreamjax.rl.logprobs` to at most MAX_LOGITS float32 logits per step, counts twice (logits and their gradient).
+Forward-only passes (reference scoring, sampler prefill) hold one layer's temporaries at a time: two float32 copies
+of the scores over all key slots (scores and probabilities), the residual stream and gate and up (3 E + 2 M), or
+the logits after the last layer, whichever is larger.
+
+Checked against XLA's own accounting (`compiled.memory_analysis().temp_size_in_bytes`, CPU, one device; see
+tests/test_memory.py): the update step's activations and gradients came to 0.98-1.16x of it with remat off, the
+sampler's and scorer's forwards to 1.05-1.29x (the estimate errs on the safe side). On CPU, XLA's temp memory did
+not shrink with remat="full" (the recomputing matmuls are there, 142 dots against 110, but its scheduler keeps the
+memory), so the remat rows are the textbook figures, to be checked on an accelerator with the same call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from jax.sharding import AbstractMesh
+
+from dreamjax.models.config import ModelConfig, from_hf_config
+from dreamjax.parallel.mesh import AXES, MeshConfig
+from dreamjax.parallel.sharding import SAMPLE_RULES, TRAIN_RULES, Rules, logical_to_spec
+from dreamjax.rl.logprobs import MAX_LOGITS
+
+if TYPE_CHECKING:
+  from dreamjax.train.dreamgym import DreamGymConfig
+  from dreamjax.train.rl_real import RLConfig
+
+GIB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# Published HF config.json values (the fields our ModelConfig reads), written in so nothing is downloaded; the sizes
+# are the totals their model cards state.
+PUBLISHED: dict[str, dict[str, Any]] = {
+    "llama-3.2-3b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+        num_attention_heads=24, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_theta=500000.0, attention_bias=False, mlp_bias=False, tie_word_embeddings=True,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+        bos_token_id=128000, eos_token_id=[128001, 128008, 128009], torch_dtype="bfloat16"),
+    "llama-3.1-8b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_theta=500000.0, attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+        bos_token_id=128000, eos_token_id=[128001, 128008, 128009], torch_dtype="bfloat16"),
+    "qwen2.5-7b": dict(
+        model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, use_sliding_window=False, sliding_window=131072, max_window_layers=28,
+        tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16"),
+}
+PUBLISHED_SIZES = {"llama-3.2-3b": 3.21e9, "llama-3.1-8b": 8.03e9, "qwen2.5-7b": 7.62e9}
+
+# Memory one process may use per device (GiB), what a plan is compared against: a TPU chip's HBM; on GPUs 90% of it,
+# the XLA_PYTHON_CLIENT_MEM_FRACTION that tpu/gpu_*.sh set (JAX's own default, 0.75, would leave less).
+ACCELERATORS = {"v4": 32.0, "v5e": 16.0, "v5p": 95.0, "v6e": 32.0, "h100": 72.0, "h200": 126.9, "a100-40gb": 36.0,
+                "a100-80gb": 72.0}
+
+
+def published_config(name: str, **overrides) -> ModelConfig:
+  """The ModelConfig of a published model (`PUBLISHED`), e.g. `published_config("llama-3.1-8b", value_head=True)`."""
+  if name not in PUBLISHED:
+    raise ValueError(f"unknown published model {name!r} (known: {', '.join(PUBLISHED)})")
+  return from_hf_config(PUBLISHED[name], source=f"PUBLISHED[{name!r}]", **overrides)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+  path: str  # "layers_3/attn/q", as in the parameter tree
+  shape: tuple[int, ...]
+  axes: tuple[str | None, ...]  # logical axis names
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+
+def param_specs(cfg: ModelConfig) -> tuple[ParamSpec, ...]:
+  """Every parameter the transformer declares, in its module order."""
+  e, m, v, h, k, d = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_heads, cfg.num_kv_heads,
+                      cfg.head_dim)
+  out = [ParamSpec("embed", (v, e), ("vocab", "embed"))]
+  for i in range(cfg.num_layers):
+    p = f"layers_{i}/"
+    layer = [ParamSpec(p + "attn_norm/scale", (e,), ("norm",))]
+    for name, heads, axis in (("q", h, "heads"), ("k", k, "kv_heads"), ("v", k, "kv_heads")):
+      layer.append(ParamSpec(f"{p}attn/{name}", (e, heads, d), ("embed", axis, "head_dim")))
+      if cfg.qkv_bias:
+        layer.append(ParamSpec(f"{p}attn/{name}_bias", (heads, d), (axis, "head_dim")))
+    layer.append(ParamSpec(p + "attn/o", (h, d, e), ("heads", "head_dim", "embed")))
+    if cfg.o_bias:
+      layer.append(ParamSpec(p + "attn/o_bias", (e,), ("embed",)))
+    layer.append(ParamSpec(p + "mlp_norm/scale", (e,), ("norm",)))
+    for name, shape, axes, bias_axis in (("gate", (e, m), ("embed", "mlp"), "mlp"),
+                                         ("up", (e, m), ("embed", "mlp"), "mlp"),
+                                         ("down", (m, e), ("mlp", "embed"), "embed")):
+      layer.append(ParamSpec(f"{p}mlp/{name}", shape, axes))
+      if cfg.mlp_bias:
+        layer.append(ParamSpec(f"{p}mlp/{name}_bias", shape[-1:], (bias_axis,)))
+    out += layer
+  out.append(ParamSpec("final_norm/scale", (e,), ("norm",)))
+  if not cfg.tie_word_embeddings:
+    out.append(ParamSpec("lm_head", (e, v), ("embed", "vocab")))
+  if cfg.value_head:
+    out.append(ParamSpec("value_head", (e,), ("embed",)))
+  return tuple(out)
+
+
+def _group(path: str) -> str:
+  if path in ("embed", "lm_head", "value_head"):
+    return path
+  if path.endswith("norm/scale"):
+    return "norms"
+  return "attention" if "/attn/" in path else "mlp"
+
+
+def param_count(cfg: ModelConfig) -> dict[str, int]:
+  """Parameters by part (embed, attention, mlp, norms, lm_head, value_head) and their `total`."""
+  counts = dict.fromkeys(("embed", "attention", "mlp", "norms", "lm_head", "value_head"), 0)
+  for spec in param_specs(cfg):
+    counts[_group(spec.path)] += spec.size
+  counts["total"] = sum(counts.values())
+  return counts
+
+
+def mesh_sizes(mesh: MeshConfig, devices: int | None = None) -> dict[str, int]:
+  """Axis sizes of the mesh `make_mesh` would build on `devices` devices (needed only when an axis is -1)."""
+  sizes = [mesh.data, mesh.fsdp, mesh.tensor]
+  if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+    raise ValueError(f"MeshConfig {mesh}: axis sizes must be >= 1, with at most one -1")
+  if -1 in sizes:
+    known = math.prod(s for s in sizes if s != -1)
+    if not devices or devices % known:
+      raise ValueError(f"MeshConfig {mesh} has a -1 axis: give the device count (a multiple of {known}), got "
+                       f"{devices}")
+    sizes[sizes.index(-1)] = devices // known
+  if devices and math.prod(sizes) != devices:
+    raise ValueError(f"MeshConfig {mesh} needs {math.prod(sizes)} devices, not {devices}")
+  return dict(zip(AXES, sizes))
+
+
+def _mesh(sizes: Mapping[str, int]) -> AbstractMesh:
+  return AbstractMesh(tuple(sizes[a] for a in AXES), AXES)
+
+
+def shard_elements(axes: Sequence[str | None], shape: Sequence[int], sizes: Mapping[str, int], rules: Rules) -> int:
+  """Elements of one device's shard of an array with these logical axes, placed by `rules`."""
+  spec = logical_to_spec(axes, shape, _mesh(sizes), rules)
+  n = 1
+  for dim, entry in zip(shape, spec):
+    names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    n *= dim // math.prod(sizes[a] for a in names)
+  return n
+
+
+def _divisor(axis: str, dim: int, sizes: Mapping[str, int], rules: Rules) -> int:
+  return dim // shard_elements((axis,), (dim,), sizes, rules)
+
+
+def param_bytes(cfg: ModelConfig, sizes: Mapping[str, int], rules: Rules, dtype: str | None = None) -> int:
+  """Bytes of one device's parameter shards (in `dtype`, default the config's param_dtype)."""
+  width = DTYPE_BYTES[dtype or cfg.param_dtype]
+  return width * sum(shard_elements(s.axes, s.shape, sizes, rules) for s in param_specs(cfg))
+
+
+def same_layout(cfg: ModelConfig, sizes: Mapping[str, int], a: Rules, b: Rules) -> bool:
+  """Whether every parameter is placed identically under both rule tables (then re-laying out is a no-op)."""
+  m = _mesh(sizes)
+  return all(logical_to_spec(s.axes, s.shape, m, a) == logical_to_spec(s.axes, s.shape, m, b) for s in param_specs(cfg))
+
+
+def local_rows(rows: int, sizes: Mapping[str, int], rules: Rules) -> int:
+  """Rows of a [rows, ...] batch on one device: the `batch` axis over (data, fsdp) where that divides."""
+  return shard_elements(("batch",), (rows,), sizes, rules)
+
+
+def kv_cache_bytes(cfg: ModelConfig, rows: int, slots: int, sizes: Mapping[str, int], rules: Rules = SAMPLE_RULES
+                   ) -> int:
+  """One device's part of a sampler's KV cache: keys and values of every layer for `rows` x `slots`."""
+  per_layer = shard_elements(("batch", "act_kv_heads", "cache_seq", "head_dim"),
+                             (rows, cfg.num_kv_heads, slots, cfg.head_dim), sizes, rules)
+  return 2 * cfg.num_layers * per_layer * DTYPE_BYTES[cfg.dtype]
+
+
+def _local_dims(cfg: ModelConfig, sizes: Mapping[str, int], rules: Rules) -> tuple[int, int, int]:
+  """Query heads, KV heads and MLP width of one device's activations (split over tensor where it divides)."""
+  return tuple(dim // _divisor(axis, dim, sizes, rules) for axis, dim in (
+      ("act_heads", cfg.num_heads), ("act_kv_heads", cfg.num_kv_heads), ("act_mlp", cfg.intermediate_size)))
+
+
+def _scores(cfg: ModelConfig, heads: int, keys: int, copies: int) -> int:
+  """Bytes per query token of `copies` float32 [heads, keys] score arrays, plus the probabilities in a narrower
+  compute dtype."""
+  a = DTYPE_BYTES[cfg.dtype]
+  return heads * keys * (copies * 4 + (a if a != 4 else 0))
+
+
+def _per_token(cfg: ModelConfig, sizes: Mapping[str, int], rules: Rules, keys: int) -> int:
+  """Bytes one layer keeps per token for its backward pass (see the module docstring)."""
+  h, k, m = _local_dims(cfg, sizes, rules)
+  a = DTYPE_BYTES[cfg.dtype]
+  return a * (4 * cfg.hidden_size + (2 * h + 2 * k) * cfg.head_dim + 3 * m) + _scores(cfg, h, keys, copies=3)
+
+
+def _dots_per_token(cfg: ModelConfig, sizes: Mapping[str, int], rules: Rules) -> int:
+  h, k, m = _local_dims(cfg, sizes, rules)
+  a = DTYPE_BYTES[cfg.dtype]
+  return a * (2 * cfg.hidden_size + (h + 2 * k) * cfg.head_dim + 2 * m)
+
+
+def _logits_bytes(cfg: ModelConfig, rows: int, length: int, sizes: Mapping[str, int], rules: Rules) -> int:
+  """One device's float32 logits of the (chunked) vocabulary projection over a [rows, length] batch."""
+  total = min(rows * length * cfg.vocab_size, max(MAX_LOGITS // (rows * cfg.vocab_size), 1) * rows * cfg.vocab_size)
+  share = rows // local_rows(rows, sizes, rules) * _divisor("act_vocab", cfg.vocab_size, sizes, rules)
+  return 4 * total // share
+
+
+def _gathered_layer_bytes(cfg: ModelConfig, sizes: Mapping[str, int], rules: Rules) -> int:
+  """Two layers' weights all-gathered over fsdp (the one in use and the next, prefetched); 0 without fsdp sharding."""
+  layer = [s for s in param_specs(cfg) if s.path.startswith("layers_0/")]
+  whole = sum(shard_elements(s.axes, s.shape, sizes, SAMPLE_RULES) for s in layer)
+  sharded = sum(shard_elements(s.axes, s.shape, sizes, rules) for s in layer)
+  return 0 if whole == sharded else 2 * whole * DTYPE_BYTES[cfg.param_dtype]
+
+
+def activation_bytes(cfg: ModelConfig, rows: int, length: int, sizes: Mapping[str, int], rules: Rules = TRAIN_RULES
+                     ) -> int:
+  """Estimated activation memory of one forward + backward over a [rows, length] micro-batch (see the docstring)."""
+  tokens = local_rows(rows, sizes, rules) * length
+  layer = _per_token(cfg, sizes, rules, keys=length)
+  embed = DTYPE_BYTES[cfg.dtype] * cfg.hidden_size
+  if cfg.remat == "none":
+    kept = (cfg.num_layers + 1) * layer
+  elif cfg.remat == "full":
+    kept = cfg.num_layers * embed + 2 * layer
+  else:
+    kept = cfg.num_layers * (embed + _dots_per_token(cfg, sizes, rules)) + 2 * layer
+  return tokens * (kept + 3 * embed) + 2 * _logits_bytes(cfg, rows, length, sizes, rules) + \
+      _gathered_layer_bytes(cfg, sizes, rules)
+
+
+def forward_bytes(cfg: ModelConfig, rows: int, length: int, keys: int, sizes: Mapping[str, int], rules: Rules,
+                  logits_positions: int | None = None) -> int:
+  """Peak temporaries of a forward pass without gradients: one layer at a time over `keys` key slots, the residual
+  stream, and the logits of `logits_positions` positions per row (None: all, chunked as the scorer does)."""
+  tokens = local_rows(rows, sizes, rules) * length
+  h, _, m = _local_dims(cfg, sizes, rules)
+  # Without a backward pass only one layer's temporaries are live (the scores, the stream around the layer, gate and
+  # up), and the logits come after the last layer: the peak is the larger of the two, over the residual stream.
+  a = DTYPE_BYTES[cfg.dtype]
+  layer = _scores(cfg, h, keys, copies=2) + a * (2 * cfg.hidden_size + 2 * m)
+  logits = _logits_bytes(cfg, rows, length if logits_positions is None else logits_positions, sizes, rules)
+  return tokens * a * cfg.hidden_size + max(tokens * layer, logits) + \
+      _gathered_layer_bytes(cfg, sizes, rules)
+
+
+@dataclasses.dataclass(frozen=True)
+class Line:
+  name: str
+  bytes: int
+  phases: tuple[str, ...]  # where it is live; () means always (resident)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  """Per-device bytes of each component and the phase peaks; `table()` renders it."""
+
+  title: str
+  sizes: dict[str, int]
+  models: tuple[tuple[str, ModelConfig], ...]  # (role, config)
+  lines: tuple[Line, ...]
+  phases: tuple[str, ...]
+
+  def peak(self, phase: str) -> int:
+    return sum(line.bytes for line in self.lines if not line.phases or phase in line.phases)
+
+  def peaks(self) -> dict[str, int]:
+    return {p: self.peak(p) for p in self.phases}
+
+  def table(self, hbm_gib: float | None = None) -> str:
+    devices = math.prod(self.sizes.values())
+    rows = [self.title, f"mesh data={self.sizes['data']} fsdp={self.sizes['fsdp']} tensor={self.sizes['tensor']} "
+                        f"({devices} devices)"]
+    for role, cfg in self.models:
+      rows.append(f"{role}: {param_count(cfg)['total'] / 1e9:.3f}B params, {cfg.param_dtype} weights, "
+                  f"{cfg.dtype} compute, remat {cfg.remat}")
+    rows.append(f"{'component':<52}{'GiB/device':>10}  live in")
+    for line in self.lines:
+      where = ",".join(line.phases) or "all"
+      rows.append(f"{line.name:<52}{line.bytes / GIB:>10.2f}  {where}")
+    for phase, value in self.peaks().items():
+      rows.append(f"{'peak ' + phase:<52}{value / GIB:>10.2f}")
+    if hbm_gib:
+      worst = max(self.peaks().values()) / GIB
+      verdict = "fits" if worst <= hbm_gib else "DOES NOT FIT"
+      rows.append(f"{verdict} in {hbm_gib:g} GiB per device ({100 * worst / hbm_gib:.0f}% at the peak)")
+    return "\n".join(rows)
+
+
+def _learner_lines(rl: RLConfig, policy: ModelConfig, sizes: Mapping[str, int],
+                   sampling: tuple[str, ...]) -> tuple[list[Line], list[Line]]:
+  """The RL learner's (resident, transient) lines: training state and reference; rollout sampling (live in the
+  `sampling` phases), reference scoring and the update step."""
+  p_train = param_bytes(policy, sizes, TRAIN_RULES)
+  elements = param_bytes(policy, sizes, TRAIN_RULES, dtype="float32") // 4
+  ro = rl.rollout
+  rows, prompt = rl.rows, ro.prompt_buckets[-1]
+  slots = prompt + ro.max_action_tokens
+  length = -(-slots // rl.pad_to) * rl.pad_to  # turn rows: a prompt and its answer, rounded up as take_rows does
+  micro_rows = rl.rows_per_step // rl.micro_batches
+  resident = [Line("policy params (train layout)", p_train, ()),
+              Line("AdamW moments (2 x params dtype)", 2 * p_train, ())]
+  if rl.objective.kl_coef:
+    resident.append(Line("reference params (train layout)", p_train, ()))
+  copy = 0 if same_layout(policy, sizes, TRAIN_RULES, SAMPLE_RULES) else param_bytes(policy, sizes, SAMPLE_RULES)
+  transient = [
+      Line("policy params re-laid out for sampling", copy, sampling),
+      Line(f"policy KV cache ({rows} rows x {slots} slots)", kv_cache_bytes(policy, rows, slots, sizes), ("rollout",)),
+      Line(f"policy prefill ({rows} rows x {prompt})",
+           forward_bytes(policy, rows, prompt, slots, sizes, SAMPLE_RULES, logits_positions=1), ("rollout",)),
+      Line(f"scoring forward ({rl.score_batch} rows x {length})",
+           forward_bytes(policy, rl.score_batch, length, length, sizes, TRAIN_RULES), ("score",)),
+      Line("gradients (f32 accumulator + one in dtype)", elements * 4 + p_train, ("update",)),
+      Line(f"activations ({local_rows(micro_rows, sizes, TRAIN_RULES)} rows/device x {length}, per micro-batch)",
+           activation_bytes(policy, micro_rows, length, sizes, TRAIN_RULES), ("update",)),
+  ]
+  return resident, transient
+
+
+def plan_rl(rl: RLConfig, policy: ModelConfig, sizes: Mapping[str, int], title: str = "dreamjax rl") -> MemoryPlan:
+  """The real-env loop (`dreamjax rl`): policy, AdamW, reference, rollouts, scoring, update."""
+  _check_rows(rl, sizes)
+  resident, transient = _learner_lines(rl, policy, sizes, ("rollout",))
+  return MemoryPlan(title, dict(sizes), (("policy", policy),), tuple(resident + transient),
+                    ("rollout", "score", "update"))
+
+
+def plan_dreamgym(cfg: DreamGymConfig, policy: ModelConfig, exp: ModelConfig, sizes: Mapping[str, int],
+                  title: str = "dreamjax dreamgym") -> MemoryPlan:
+  """The DreamGym loop: the RL learner plus M_exp (sampling layout, resident), its KV cache when it answers the
+  policy's turns, and M_task's generation calls (M_exp's weights, the curriculum's budget)."""
+  rl, c = cfg.rl, cfg.curriculum
+  _check_rows(rl, sizes)
+  if not cfg.exp_prompt_buckets or not cfg.exp_max_new_tokens:
+    raise ValueError("DreamGymConfig: the memory plan needs exp_prompt_buckets and exp_max_new_tokens set (otherwise "
+                     "they come from the M_exp checkpoint's exp_model.json at run time)")
+  # The policy's sampling copy is made once per rollout, so it stays live while M_exp answers (the turns alternate).
+  resident, transient = _learner_lines(rl, policy, sizes, ("rollout", "exp_step"))
+  resident.append(Line("M_exp params (sampling layout)", param_bytes(exp, sizes, SAMPLE_RULES), ()))
+  prompt, rows = cfg.exp_prompt_buckets[-1], rl.rows
+  slots = prompt + cfg.exp_max_new_tokens
+  transient += [
+      Line(f"M_exp KV cache ({rows} rows x {slots} slots)", kv_cache_bytes(exp, rows, slots, sizes), ("exp_step",)),
+      Line(f"M_exp prefill ({rows} rows x {prompt})",
+           forward_bytes(exp, rows, prompt, slots, sizes, SAMPLE_RULES, logits_positions=1), ("exp_step",)),
+  ]
+  phases = ("rollout", "exp_step", "score", "update")
+  if c.enabled and c.generate_every:
+    task_rows = 1 << max(0, (c.seeds_per_round - 1).bit_length())  # padded to a power of two, as generate_variants
+    task_prompt = c.generation.prompt_buckets[-1]  # an upper bound: prompts are padded to the smallest bucket
+    slots = task_prompt + c.max_new_tokens
+    transient += [
+        Line(f"M_task KV cache ({task_rows} rows x {slots} slots)", kv_cache_bytes(exp, task_rows, slots, sizes),
+             ("task_gen",)),
+        Line(f"M_task prefill ({task_rows} rows x {task_prompt})",
+             forward_bytes(exp, task_rows, task_prompt, slots, sizes, SAMPLE_RULES, logits_positions=1),
+             ("task_gen",)),
+    ]
+    phases += ("task_gen",)
+  return MemoryPlan(title, dict(sizes), (("policy", policy), ("M_exp", exp)), tuple(resident + transient), phases)
+
+
+def _check_rows(rl: RLConfig, sizes: Mapping[str, int]) -> None:
+  dp = sizes["data"] * sizes["fsdp"]  # TrainStep splits rows over the batch axes (data, fsdp)
+  if rl.rows_per_step % (rl.micro_batches * dp):
+    raise ValueError(f"RLConfig.rows_per_step ({rl.rows_per_step}) must be a multiple of micro_batches "
+                     f"({rl.micro_batches}) x data x fsdp ({dp})")

@@ -1,0 +1,244 @@
+"""Memory arithmetic (dreamjax/parallel/memory.py) against what JAX itself reports: parameter trees from
+`abstract_params`, shard shapes from the rule tables on a real 8-device mesh, optimizer state from `optax` under
+`jax.eval_shape`, KV caches, XLA's compiled temp memory for the update step and the sampler; and the memory tables in
+configs/scale/*.py docstrings, recomputed from the command written above each."""
+
+import importlib.util
+import json
+import math
+import re
+import shlex
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dreamjax.config import load_config
+from dreamjax.models import abstract_params, param_shardings, tiny
+from dreamjax.models.config import to_hf_config
+from dreamjax.models.transformer import KVCache
+from dreamjax.parallel import SAMPLE_RULES, TRAIN_RULES, MeshConfig, make_mesh, named_sharding
+from dreamjax.parallel import memory
+from dreamjax.rl.batch import TokenBatch
+from dreamjax.rl.objectives import Objective, PolicyGradientConfig
+from dreamjax.rl.optim import OptimConfig, make_optimizer
+from dreamjax.rl.train_state import TrainState, train_state_shardings
+from dreamjax.rl.update import _train_step
+from dreamjax.sampling import Sampler
+from dreamjax.sampling.sampler import sampling_params
+
+ROOT = Path(__file__).parent.parent
+SCALE = sorted((ROOT / "configs" / "scale").glob("*.py"))
+ONE = {"data": 1, "fsdp": 1, "tensor": 1}
+
+
+def _tool():
+  spec = importlib.util.spec_from_file_location("memory_plan_tool", ROOT / "tools" / "memory_plan.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _abstract(cfg):
+  leaves = jax.tree_util.tree_leaves_with_path(abstract_params(cfg), is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  return {"/".join(k.key for k in path): (tuple(box.value.shape), tuple(box.names)) for path, box in leaves}
+
+
+@pytest.mark.parametrize("name", sorted(memory.PUBLISHED))
+def test_published_param_counts_are_exact_and_match_the_model_cards(name):
+  cfg = memory.published_config(name, value_head=True)
+  tree = _abstract(cfg)
+  assert {s.path: (s.shape, s.axes) for s in memory.param_specs(cfg)} == tree
+  counts = memory.param_count(cfg.replace(value_head=False))
+  assert counts["total"] == sum(math.prod(shape) for path, (shape, _) in tree.items() if path != "value_head")
+  assert memory.param_count(cfg)["value_head"] == cfg.hidden_size
+  assert abs(counts["total"] / memory.PUBLISHED_SIZES[name] - 1) < 0.005
+  assert counts["lm_head"] == (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+
+
+def test_published_configs_read_as_transformers_would():
+  llama3b, llama8b, qwen = (memory.published_config(n) for n in ("llama-3.2-3b", "llama-3.1-8b", "qwen2.5-7b"))
+  assert llama3b.tie_word_embeddings and not llama8b.tie_word_embeddings
+  assert (llama8b.rope_scaling.rope_type, llama8b.rope_scaling.factor, llama8b.rope_theta) == ("llama3", 8.0, 5e5)
+  assert qwen.qkv_bias and not llama8b.qkv_bias and (qwen.num_heads, qwen.num_kv_heads, qwen.head_dim) == (28, 4, 128)
+  with pytest.raises(ValueError, match="unknown published model 'gpt-2'"):
+    memory.published_config("gpt-2")
+
+
+@pytest.mark.parametrize("kw", [dict(family="qwen2"), dict(family="llama", tie_word_embeddings=True, value_head=True),
+                                dict(family="llama", qkv_bias=True, o_bias=True, mlp_bias=True)])
+def test_param_specs_match_the_model_for_every_option(kw):
+  cfg = tiny(**kw)
+  assert {s.path: (s.shape, s.axes) for s in memory.param_specs(cfg)} == _abstract(cfg)
+
+
+def _shard_bytes(tree, shardings, width=None) -> int:
+  return sum(math.prod(s.shard_shape(x.shape)) * (width or np.dtype(x.dtype).itemsize)
+             for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)) if x.ndim)
+
+
+# Tensor 4 does not divide the 2 KV heads nor the 6 query heads of the second config: the rules drop the axis there.
+@pytest.mark.parametrize("axes", [(1, 8, 1), (1, 4, 2), (2, 2, 2), (1, 2, 4)])
+@pytest.mark.parametrize("kw", [dict(family="qwen2"), dict(family="llama", num_heads=6, head_dim=8, vocab_size=250)])
+def test_param_and_optimizer_bytes_per_device_match_the_mesh(axes, kw):
+  mesh = make_mesh(MeshConfig(*axes))
+  sizes = dict(mesh.shape)
+  cfg = tiny(**kw, param_dtype="bfloat16")
+  shapes = nn.unbox(abstract_params(cfg))
+  for rules in (TRAIN_RULES, SAMPLE_RULES):
+    shardings = param_shardings(cfg, mesh, rules)
+    assert memory.param_bytes(cfg, sizes, rules) == _shard_bytes(shapes, shardings)
+    assert memory.param_bytes(cfg, sizes, rules, "float32") == _shard_bytes(shapes, shardings, 4)
+  optimizer = make_optimizer(OptimConfig(weight_decay=0.1, warmup_steps=2))
+  opt = jax.eval_shape(optimizer.init, shapes)
+  # AdamW keeps exactly two parameter-shaped moments in the parameters' dtype, sharded like them (scalars aside).
+  assert _shard_bytes(opt, train_state_shardings(cfg, optimizer, mesh).opt_state) == \
+      2 * memory.param_bytes(cfg, sizes, TRAIN_RULES)
+  assert memory.same_layout(cfg, sizes, TRAIN_RULES, SAMPLE_RULES) == (sizes["fsdp"] == 1)
+
+
+@pytest.mark.parametrize("axes", [(1, 8, 1), (1, 4, 2), (2, 1, 4)])
+def test_kv_cache_bytes_match_the_cache_and_its_sharding(axes):
+  mesh = make_mesh(MeshConfig(*axes))
+  cfg = tiny("llama", dtype="bfloat16")
+  rows, slots = 12, 40  # 12 rows do not split 8 ways: the rules keep the leading axes that divide
+  cache = jax.eval_shape(lambda: KVCache.zeros(cfg, rows, slots))
+  total = 0
+  for k, v in zip(cache.k, cache.v):
+    total += math.prod(named_sharding(("batch", "act_kv_heads", "head_dim", "cache_seq"), k.shape, mesh,
+                                      SAMPLE_RULES).shard_shape(k.shape)) * 2
+    total += math.prod(named_sharding(("batch", "act_kv_heads", "cache_seq", "head_dim"), v.shape, mesh,
+                                      SAMPLE_RULES).shard_shape(v.shape)) * 2
+  assert memory.kv_cache_bytes(cfg, rows, slots, dict(mesh.shape)) == total
+
+
+def test_mesh_sizes_resolve_and_refuse():
+  assert memory.mesh_sizes(MeshConfig(1, -1, 4), 32) == {"data": 1, "fsdp": 8, "tensor": 4}
+  assert memory.mesh_sizes(MeshConfig(2, 2, 4)) == {"data": 2, "fsdp": 2, "tensor": 4}
+  with pytest.raises(ValueError, match="has a -1 axis: give the device count"):
+    memory.mesh_sizes(MeshConfig(1, -1, 4))
+  with pytest.raises(ValueError, match="needs 16 devices, not 8"):
+    memory.mesh_sizes(MeshConfig(2, 2, 4), 8)
+
+
+# A model big enough that activations dominate XLA's temporaries, small enough to compile in seconds.
+_CALIBRATION = dict(family="qwen2", vocab_size=2048, hidden_size=128, intermediate_size=384, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=2048)
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_update_step_estimate_tracks_xla(micro):
+  """Activations + gradients against the compiled update step's temp memory (CPU, remat off): 0.95-1.2x measured."""
+  cfg = tiny(**_CALIBRATION)
+  rows, length = 4, 256
+  objective = Objective("grpo", PolicyGradientConfig(kl_coef=0.02, kl_kind="low_var_kl"))
+  optimizer = make_optimizer(OptimConfig())
+  params = nn.unbox(abstract_params(cfg))
+  state = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                     opt_state=jax.eval_shape(optimizer.init, params))
+  row = lambda dt: jax.ShapeDtypeStruct((rows, length), dt)  # noqa: E731
+  batch = TokenBatch(tokens=row(jnp.int32), positions=row(jnp.int32), valid=row(bool), loss_mask=row(jnp.float32),
+                     old_logp=row(jnp.float32), ref_logp=row(jnp.float32), advantages=row(jnp.float32),
+                     returns=row(jnp.float32), old_values=row(jnp.float32),
+                     pair=jax.ShapeDtypeStruct((rows,), jnp.int32), chosen=jax.ShapeDtypeStruct((rows,), bool))
+  step = jax.jit(lambda s, b, r: _train_step(s, b, r, model_cfg=cfg, objective=objective, optimizer=optimizer,
+                                             micro_batches=micro), donate_argnums=0)
+  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+  measured = step.lower(state, batch, key).compile().memory_analysis().temp_size_in_bytes
+  grads = memory.param_bytes(cfg, ONE, TRAIN_RULES, "float32") + memory.param_bytes(cfg, ONE, TRAIN_RULES)
+  estimate = memory.activation_bytes(cfg, rows // micro, length, ONE) + grads
+  assert 0.9 * measured <= estimate <= 1.3 * measured, (estimate / 2**20, measured / 2**20)
+
+
+def test_sampler_estimate_tracks_xla():
+  """KV cache + prefill against the compiled sampler's temp memory (CPU): 1.1-1.2x measured."""
+  cfg = tiny(**_CALIBRATION)
+  rows, prompt, new = 8, 512, 32
+  sampler = Sampler(cfg, new)
+  sp = jax.tree.map(jnp.asarray, sampling_params(rows, new, 1.0, 1.0, 0, stop=[[1]]))
+  keys = jax.random.split(jax.random.key(0), rows)
+  tokens = jax.ShapeDtypeStruct((rows, prompt), jnp.int32)
+  compiled = sampler._fn.lower(nn.unbox(abstract_params(cfg)), tokens, jax.ShapeDtypeStruct((rows, prompt), bool),
+                               keys, sp).compile()
+  measured = compiled.memory_analysis().temp_size_in_bytes
+  estimate = memory.kv_cache_bytes(cfg, rows, prompt + new, ONE) + \
+      memory.forward_bytes(cfg, rows, prompt, prompt + new, ONE, SAMPLE_RULES, logits_positions=1)
+  assert 0.9 * measured <= estimate <= 1.3 * measured, (estimate / 2**20, measured / 2**20)
+
+
+def test_remat_and_sharding_lower_the_estimate():
+  cfg = memory.published_config("llama-3.1-8b")
+  sizes = {"data": 1, "fsdp": 2, "tensor": 8}
+  none, full, dots = (memory.activation_bytes(cfg.replace(remat=r), 2, 2048, sizes) for r in ("none", "full", "dots"))
+  assert full < dots < none
+  assert memory.activation_bytes(cfg, 2, 2048, {"data": 1, "fsdp": 2, "tensor": 1}) > none
+  half = memory.activation_bytes(cfg.replace(dtype="bfloat16", param_dtype="bfloat16"), 2, 2048, sizes)
+  assert half < none
+
+
+def _docstring_plan(path: Path) -> tuple[list[str], str]:
+  """(the tool's arguments, the table) written in a config's docstring."""
+  text = path.read_text()
+  found = re.search(r"\n  python tools/memory_plan\.py (.*?)\n\n(.*?)\n\"\"\"", text, re.S)
+  assert found, f"{path.name}: no memory_plan command and table in the docstring"
+  args = shlex.split(found.group(1).replace("\\\n", " "))
+  return args, "\n".join(line.removeprefix("  ") for line in found.group(2).splitlines())
+
+
+def test_scale_configs_found():
+  assert {p.name for p in SCALE} >= {"dreamgym_llama3b_tpu.py", "dreamgym_llama8b_gpu.py", "dreamgym_qwen7b_tpu.py"}
+
+
+@pytest.mark.parametrize("path", SCALE, ids=lambda p: p.name)
+def test_scale_config_tables_are_current_and_fit(path, monkeypatch):
+  args, written = _docstring_plan(path)
+  assert args[:2] == ["--config", f"configs/scale/{path.name}"]
+  monkeypatch.chdir(ROOT)  # the command as the docstring gives it, from the repository root
+  plan, hbm = _tool().build_plan(args)
+  fresh = plan.table(hbm)
+  assert fresh == written, f"{path.name}: the memory table is stale; the tool now prints:\n{fresh}"
+  assert hbm and max(plan.peaks().values()) <= 0.9 * hbm * memory.GIB, f"{path.name}: under 10% headroom"
+  cfg = load_config(path)
+  rl = getattr(cfg, "rl", cfg)
+  assert math.prod(plan.sizes.values()) == math.prod([rl.mesh.data, rl.mesh.fsdp, rl.mesh.tensor])
+
+
+def test_tool_errors_name_the_field(capsys):
+  tool = _tool()
+  assert tool.main(["--config", str(ROOT / "configs/grpo_real_twx.py"), "--devices", "8"]) == 2
+  err = capsys.readouterr().err
+  assert "model.checkpoint is 'runs/policy_sft/twx/checkpoint', which has no config.json here; give --arch " \
+      "policy=" in err
+  assert tool.main(["--config", str(ROOT / "configs/collect_twx.py")]) == 2
+  assert "gives a CollectConfig; memory_plan handles RLConfig and DreamGymConfig" in capsys.readouterr().err
+  assert tool.main(["--config", str(ROOT / "configs/dreamgym_twx.py"), "--devices", "8", "--arch", "policy=qwen2.5-7b",
+                    "--arch", "exp=llama-3.2-3b"]) == 2
+  assert "needs exp_prompt_buckets and exp_max_new_tokens set" in capsys.readouterr().err
+  assert tool.main(["--config", str(ROOT / "configs/grpo_real_twx.py"), "--devices", "8", "--arch", "policy=qwen2.5-7b",
+                    "--set", "mesh.fsdp=8", "--set", "micro_batches=1", "--set", "rows_per_step=12",
+                    "--set", "micro_batches=3"]) == 2
+  assert "rows_per_step (12) must be a multiple of micro_batches (3) x data x fsdp (8)" in capsys.readouterr().err
+
+
+def test_tool_reads_a_checkpoint_folder_and_the_tiny_model(tmp_path, capsys):
+  """A policy shape from a folder's config.json; --dtype and --remat reach the plan; PPO adds the value head."""
+  folder = tmp_path / "ckpt"
+  folder.mkdir()
+  (folder / "config.json").write_text(json.dumps(to_hf_config(memory.published_config("qwen2.5-7b"))))
+  tool = _tool()
+  base = ["--config", str(ROOT / "configs/grpo_real_twx.py"), "--devices", "8", "--set", f"model.checkpoint={folder}"]
+  plan, _ = tool.build_plan(base + ["--set", "mesh.fsdp=8"])
+  assert plan.models[0][1] == memory.published_config("qwen2.5-7b")
+  plan16, _ = tool.build_plan(base + ["--set", "mesh.fsdp=8", "--dtype", "bfloat16", "--remat", "full"])
+  policy = plan16.models[0][1]
+  assert (policy.dtype, policy.param_dtype, policy.remat) == ("bfloat16", "bfloat16", "full")
+  assert plan16.peak("update") < plan.peak("update")
+  ppo, _ = tool.build_plan(["--config", str(ROOT / "configs/ppo_real_twx.py"), "--devices", "8", "--set",
+                            f"model.checkpoint={folder}", "--set", "mesh.fsdp=8"])
+  assert ppo.models[0][1].value_head
+  tiny_plan, _ = tool.build_plan(["--config", str(ROOT / "configs/grpo_real_twx.py"), "--devices", "1",
+                                  "--set", "model.checkpoint="])
+  assert tiny_plan.models[0][1].hidden_size == 128 and tiny_plan.sizes == ONE
