@@ -50,7 +50,8 @@ def tiny() -> ReproduceConfig:
   # An ALFWorld step costs 0.2-1 s here (0.9 steps/s while collecting on a loaded 2-core machine): short RL runs, and
   # the loops' own held-out checks on 5 games; the common final evaluation uses all 20.
   rl = dict(tasks_per_iteration=2, iterations=6, rollout=dataclasses.replace(cfg.real.rollout, group_size=4),
-            eval_tasks=dataclasses.replace(cfg.real.eval_tasks, count=5))
+            eval_tasks=dataclasses.replace(cfg.real.eval_tasks, count=5),
+            micro_batches=4)  # turn rows of 800-1000 tokens: one 128-row micro-batch took 12-14 GB and was OOM-killed
   return dataclasses.replace(
       cfg,
       collect=dataclasses.replace(cfg.collect, policies=("expert:80", "random:20", "eps0.3:40")),

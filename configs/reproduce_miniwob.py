@@ -47,7 +47,8 @@ def tiny() -> ReproduceConfig:
                held_out=TaskSpec(games=games, split="eval", count=20))
   # Short RL runs and the loops' own held-out checks on 5 pages; the common final evaluation uses all 20 per task.
   rl = dict(tasks_per_iteration=2, iterations=6, rollout=dataclasses.replace(cfg.real.rollout, group_size=4),
-            eval_tasks=dataclasses.replace(cfg.real.eval_tasks, count=5))
+            eval_tasks=dataclasses.replace(cfg.real.eval_tasks, count=5),
+            micro_batches=4)  # turn rows of 800-1000 tokens: one 128-row micro-batch took 12-14 GB and was OOM-killed
   return dataclasses.replace(
       cfg,
       collect=dataclasses.replace(cfg.collect, policies=("expert:100", "random:40", "eps0.3:60"), rows_per_worker=4),
