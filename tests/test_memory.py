@@ -129,7 +129,8 @@ _CALIBRATION = dict(family="qwen2", vocab_size=2048, hidden_size=128, intermedia
                     num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=2048)
 
 
-@pytest.mark.parametrize("micro", [1, 2])
+# Each compiles a train step (about 10-20 s on 2 cores); one micro-batch count in the default run, both with -m slow.
+@pytest.mark.parametrize("micro", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_update_step_estimate_tracks_xla(micro):
   """Activations + gradients against the compiled update step's temp memory (CPU, remat off): 0.95-1.2x measured."""
   cfg = tiny(**_CALIBRATION)
