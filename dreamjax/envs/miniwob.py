@@ -164,8 +164,10 @@ class BrowserGymEnv:
     self._failed = info["action"] if error else None
     if not error:
       self._history.append(info["action"])
-    invalid = bool(error)
     success = terminated and float(env_reward) > 0
+    # A click that completes the task can still come back with an error (BrowserGym waits on a page MiniWoB has
+    # already ended: 4 of 100 expert click-button episodes); the action worked, so it is not invalid.
+    invalid = bool(error) and not success
     truncated = not terminated and self._steps >= self.max_steps
     self._done = terminated or truncated or (invalid and self.invalid_ends_episode)
     info.update(env_reward=float(env_reward), last_action_error=error, task_info=task_info, truncated=truncated,
