@@ -281,6 +281,9 @@ def test_transition_example_from_records(tok):
   # The env's invalid flag reaches the target (SyntheticEnv reports what M_exp predicts).
   bad = dataclasses.replace(last, reward=0.0, done=False, success=False, invalid=True)
   assert parse_output(transition_target(ON, bad), ON).invalid
+  # A record no target can express is refused naming where it is (a MiniWoB click once came back invalid and won).
+  with pytest.raises(ValueError, match=r"episode 'expert:coin/train/0', step 1: .*invalid is true but success is true"):
+    transition_target(ON, dataclasses.replace(last, invalid=True))
   ex = transition_example(tok, dataclasses.replace(ON, reasoning=False), last)
   text = tok.decode(ex.ids)
   assert "## Step 1\nState:\nLocation: a\nAction: move east" in text and "# Current state (step 2)" in text

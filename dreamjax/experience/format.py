@@ -237,8 +237,13 @@ def render_target(cfg: ExpFormatConfig, reasoning: str, next_state: str, reward:
 
 
 def transition_target(cfg: ExpFormatConfig, t: TransitionLike, reasoning: str = "") -> str:
-  """The exact target text for a recorded transition (e.g. `dreamjax.data.records.Transition`)."""
-  return render_target(cfg, reasoning, t.next_state, t.reward, t.done, t.success, t.invalid)
+  """The exact target text for a recorded transition (e.g. `dreamjax.data.records.Transition`); a record that cannot
+  be a target is an error naming its episode and step."""
+  try:
+    return render_target(cfg, reasoning, t.next_state, t.reward, t.done, t.success, t.invalid)
+  except ValueError as e:
+    where = f"episode {getattr(t, 'episode_id', '?')!r}, step {getattr(t, 'step', '?')}"
+    raise ValueError(f"{where}: {e}") from None
 
 
 def sft_example(tokenizer: Tokenizer, cfg: ExpFormatConfig, instruction: str, history: Sequence[tuple[str, str]],
