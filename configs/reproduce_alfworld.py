@@ -15,7 +15,7 @@ import dataclasses
 from pathlib import Path
 
 from dreamjax.config import load_config
-from dreamjax.reproduce import ReproduceConfig, on_env
+from dreamjax.reproduce import ReproduceConfig, for_slow_env, on_env
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.train.rl_real import TaskSpec
 
@@ -47,19 +47,13 @@ def tiny() -> ReproduceConfig:
                rollout=dict(max_turns=20, max_action_tokens=16, max_episode_tokens=192, prompt_buckets=(768, 1024)),
                train=TaskSpec(games=games, split="train", count=200),
                held_out=TaskSpec(games=games, split="eval", count=20))
-  # An ALFWorld step costs 0.2-1 s here (0.9 steps/s while collecting on a loaded 2-core machine): short RL runs, and
-  # the loops' own held-out checks on 5 games; the common final evaluation uses all 20.
-  rl = dict(tasks_per_iteration=2, iterations=6, rollout=dataclasses.replace(cfg.real.rollout, group_size=4),
-            eval_tasks=dataclasses.replace(cfg.real.eval_tasks, count=5),
-            micro_batches=4)  # turn rows of 800-1000 tokens: one 128-row micro-batch took 12-14 GB and was OOM-killed
+  # An ALFWorld step costs 0.2-1 s here (0.9 steps/s while collecting on a loaded 2-core machine); turn rows of about
+  # 1,000 tokens: one 128-row micro-batch took 12-14 GB and was OOM-killed.
+  cfg = for_slow_env(cfg, iterations=6, group_size=4, check_tasks=5, micro_batches=4)
   return dataclasses.replace(
       cfg,
       collect=dataclasses.replace(cfg.collect, policies=("expert:80", "random:20", "eps0.3:40")),
       exp=dataclasses.replace(cfg.exp, max_len=1536),
-      sft=dataclasses.replace(cfg.sft, eval=dataclasses.replace(cfg.sft.eval, num_tasks=5), model=dataclasses.replace(
+      sft=dataclasses.replace(cfg.sft, model=dataclasses.replace(
           cfg.sft.model, tiny=cfg.sft.model.tiny.replace(max_position_embeddings=2048))),  # ALFWorld's long rooms
-      dpo=dataclasses.replace(cfg.dpo, eval=dataclasses.replace(cfg.dpo.eval, num_tasks=5)),
-      real=dataclasses.replace(cfg.real, **rl),
-      dreamgym=dataclasses.replace(cfg.dreamgym, rl=dataclasses.replace(cfg.dreamgym.rl, **rl)),
-      eval=dataclasses.replace(cfg.eval, sampled=False),  # greedy only: ALFWorld episodes are the slow part here
       s2r_transitions=150)

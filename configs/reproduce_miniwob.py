@@ -16,7 +16,7 @@ import dataclasses
 from pathlib import Path
 
 from dreamjax.config import load_config
-from dreamjax.reproduce import ReproduceConfig, on_env
+from dreamjax.reproduce import ReproduceConfig, for_slow_env, on_env
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.train.rl_real import TaskSpec
 
@@ -45,17 +45,9 @@ def tiny() -> ReproduceConfig:
                rollout=dict(max_turns=5, max_action_tokens=16, max_episode_tokens=64, prompt_buckets=(384, 768)),
                train=TaskSpec(games=games, split="train", count=200),
                held_out=TaskSpec(games=games, split="eval", count=20))
-  # Short RL runs and the loops' own held-out checks on 5 pages; the common final evaluation uses all 20 per task.
-  rl = dict(tasks_per_iteration=2, iterations=6, rollout=dataclasses.replace(cfg.real.rollout, group_size=4),
-            eval_tasks=dataclasses.replace(cfg.real.eval_tasks, count=5),
-            micro_batches=4)  # turn rows of 800-1000 tokens: one 128-row micro-batch took 12-14 GB and was OOM-killed
+  cfg = for_slow_env(cfg, iterations=6, group_size=4, check_tasks=5, micro_batches=4)  # a step drives a browser
   return dataclasses.replace(
       cfg,
       collect=dataclasses.replace(cfg.collect, policies=("expert:100", "random:40", "eps0.3:60"), rows_per_worker=4),
       exp=dataclasses.replace(cfg.exp, max_len=1024),
-      sft=dataclasses.replace(cfg.sft, eval=dataclasses.replace(cfg.sft.eval, num_tasks=5)),
-      dpo=dataclasses.replace(cfg.dpo, eval=dataclasses.replace(cfg.dpo.eval, num_tasks=5)),
-      eval=dataclasses.replace(cfg.eval, sampled=False),
-      real=dataclasses.replace(cfg.real, **rl),
-      dreamgym=dataclasses.replace(cfg.dreamgym, rl=dataclasses.replace(cfg.dreamgym.rl, **rl)),
       s2r_transitions=60)

@@ -107,6 +107,22 @@ def on_env(cfg: ReproduceConfig, *, env: str, env_kwargs: tuple[str, ...], agent
       eval=dataclasses.replace(policy(cfg.eval), tasks=held_out))
 
 
+def for_slow_env(cfg: ReproduceConfig, *, iterations: int, group_size: int, check_tasks: int,
+                 micro_batches: int) -> ReproduceConfig:
+  """`cfg` cut for an env whose steps cost seconds (ALFWorld, MiniWoB on a CPU): shorter RL runs (2 tasks x
+  `group_size` per iteration), the stages' own progress checks on `check_tasks` held-out tasks (the common final
+  evaluation keeps its count, greedy only), and the update split into `micro_batches` (long turn rows)."""
+  def rl(c: RLConfig) -> RLConfig:
+    return dataclasses.replace(c, tasks_per_iteration=2, iterations=iterations, micro_batches=micro_batches,
+                               rollout=dataclasses.replace(c.rollout, group_size=group_size),
+                               eval_tasks=dataclasses.replace(c.eval_tasks, count=check_tasks))
+
+  return dataclasses.replace(
+      cfg, sft=dataclasses.replace(cfg.sft, eval=dataclasses.replace(cfg.sft.eval, num_tasks=check_tasks)),
+      dpo=cfg.dpo and dataclasses.replace(cfg.dpo, eval=dataclasses.replace(cfg.dpo.eval, num_tasks=check_tasks)),
+      real=cfg.real and rl(cfg.real), dreamgym=cfg.dreamgym and dataclasses.replace(cfg.dreamgym, rl=rl(cfg.dreamgym.rl)),
+      eval=dataclasses.replace(cfg.eval, sampled=False))
+
 def as_algorithm(rl: RLConfig, algorithm: str) -> RLConfig:
   """`rl` with PPO's or GRPO's advantage and objective settings (PPO: a critic on a value head, GAE over turns)."""
   if algorithm == rl.algorithm:
