@@ -186,7 +186,8 @@ def test_collect_in_process(tmp_path):
   cfg = _config(tmp_path, num_workers=0, rows_per_worker=2, games=("twc",), policies=("expert:2",), build_tfds=False)
   summary = collect(cfg)
   records = read_trajectories(tmp_path / "trajectories.jsonl")
-  assert [r.episode_id for r in records] == ["expert:twc/train/0", "expert:twc/train/1"]
+  # Records come in the order episodes end; twc gold paths are unseeded in TWX (see its env module), so either may.
+  assert sorted(r.episode_id for r in records) == ["expert:twc/train/0", "expert:twc/train/1"]
   assert all(r.success for r in records) and summary["policies"]["expert"]["success_rate"] == 1.0
 
 
