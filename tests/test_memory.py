@@ -130,10 +130,13 @@ _CALIBRATION = dict(family="qwen2", vocab_size=2048, hidden_size=128, intermedia
 
 
 # Each compiles a train step (about 10-20 s on 2 cores); one micro-batch count in the default run, both with -m slow.
-@pytest.mark.parametrize("micro", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_update_step_estimate_tracks_xla(micro):
-  """Activations + gradients against the compiled update step's temp memory (CPU, remat off): 0.95-1.2x measured."""
-  cfg = tiny(**_CALIBRATION)
+# Blocks of 64 queries over 256 tokens is the blocked-attention path; one block is the path of shorter inputs.
+@pytest.mark.parametrize("micro,chunk", [(1, 64), pytest.param(1, 0, marks=pytest.mark.slow),
+                                         pytest.param(2, 64, marks=pytest.mark.slow)])
+def test_update_step_estimate_tracks_xla(micro, chunk):
+  """Activations + gradients against the compiled update step's temp memory (CPU, remat off): 1.02-1.09x measured
+  over lengths 256 and 512, vocabularies 512 and 2048, 4 and 8 heads, with and without query blocks."""
+  cfg = tiny(**_CALIBRATION, attention_chunk=chunk)
   rows, length = 4, 256
   objective = Objective("grpo", PolicyGradientConfig(kl_coef=0.02, kl_kind="low_var_kl"))
   optimizer = make_optimizer(OptimConfig())
@@ -151,12 +154,14 @@ def test_update_step_estimate_tracks_xla(micro):
   measured = step.lower(state, batch, key).compile().memory_analysis().temp_size_in_bytes
   grads = memory.param_bytes(cfg, ONE, TRAIN_RULES, "float32") + memory.param_bytes(cfg, ONE, TRAIN_RULES)
   estimate = memory.activation_bytes(cfg, rows // micro, length, ONE) + grads
-  assert 0.9 * measured <= estimate <= 1.3 * measured, (estimate / 2**20, measured / 2**20)
+  assert 0.95 * measured <= estimate <= 1.2 * measured, (estimate / 2**20, measured / 2**20)
 
 
-def test_sampler_estimate_tracks_xla():
-  """KV cache + prefill against the compiled sampler's temp memory (CPU): 1.1-1.2x measured."""
-  cfg = tiny(**_CALIBRATION)
+@pytest.mark.parametrize("chunk", [0, 128])
+def test_sampler_estimate_tracks_xla(chunk):
+  """KV cache + prefill against the compiled sampler's temp memory (CPU): 1.18x measured in one block, 1.35x in
+  blocks of 128 (XLA overlaps the attention and MLP temporaries more than the estimate, which adds them)."""
+  cfg = tiny(**_CALIBRATION, attention_chunk=chunk)
   rows, prompt, new = 8, 512, 32
   sampler = Sampler(cfg, new)
   sp = jax.tree.map(jnp.asarray, sampling_params(rows, new, 1.0, 1.0, 0, stop=[[1]]))
@@ -166,8 +171,8 @@ def test_sampler_estimate_tracks_xla():
                                keys, sp).compile()
   measured = compiled.memory_analysis().temp_size_in_bytes
   estimate = memory.kv_cache_bytes(cfg, rows, prompt + new, ONE) + \
-      memory.forward_bytes(cfg, rows, prompt, prompt + new, ONE, SAMPLE_RULES, logits_positions=1)
-  assert 0.9 * measured <= estimate <= 1.3 * measured, (estimate / 2**20, measured / 2**20)
+      memory.forward_bytes(cfg, rows, prompt, ONE, SAMPLE_RULES, logits_positions=1)
+  assert 0.9 * measured <= estimate <= 1.4 * measured, (estimate / 2**20, measured / 2**20)
 
 
 def test_remat_and_sharding_lower_the_estimate():

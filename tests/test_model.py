@@ -1,5 +1,6 @@
 """Model features beyond HF parity: bf16 compute, value head, rematerialisation, config round trips and errors."""
 
+import functools
 import json
 
 import jax
@@ -10,6 +11,7 @@ import pytest
 from dreamjax.models import (Transformer, from_hf_config, init_params, load_hf_checkpoint, load_hf_config,
                              save_hf_checkpoint, tiny, to_hf_config)
 from dreamjax.models.config import RopeScaling
+from dreamjax.models.transformer import KVCache
 
 TOKENS = np.random.RandomState(0).randint(0, 256, (2, 16)).astype(np.int32)
 POS = np.broadcast_to(np.arange(16), (2, 16))
@@ -55,6 +57,53 @@ def test_remat_gives_the_same_gradients():
   for policy in ("full", "dots"):
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(grads(cfg.replace(remat=policy)))):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_attention_in_query_blocks_gives_the_same_outputs_gradients_and_cache():
+  """16 tokens in blocks of 5 (the last block padded), against one block: logits and gradients, and a cached forward
+  of 7 new tokens after 9 (blocks read keys up to their own slots, past the cache index)."""
+  cfg = tiny("qwen2")
+  params = init_params(cfg, jax.random.key(0))
+  left_padded = VALID.copy()
+  left_padded[1, :4] = False
+  whole, blocks = cfg.replace(attention_chunk=0), cfg.replace(attention_chunk=5)
+
+  def loss(c, p):
+    return jnp.mean(Transformer(c).apply({"params": p}, TOKENS, POS, left_padded).logits ** 2)
+
+  for c in (whole, blocks):
+    np.testing.assert_allclose(forward(c, params).logits, forward(whole, params).logits, rtol=1e-5, atol=1e-5)
+  grads = [jax.jit(jax.grad(functools.partial(loss, c)))(params) for c in (whole, blocks)]
+  for a, b in zip(*map(jax.tree.leaves, grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def cached(c):
+    model = Transformer(c)
+    first = model.apply({"params": params}, TOKENS[:, :9], POS[:, :9], VALID, cache=KVCache.zeros(c, 2, 16),
+                        cache_index=0)
+    return model.apply({"params": params}, TOKENS[:, 9:], POS[:, 9:], VALID, cache=first.cache,
+                       cache_index=jnp.int32(9)).logits
+
+  np.testing.assert_allclose(cached(blocks), forward(whole, params).logits[:, 9:], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(cached(whole), forward(whole, params).logits[:, 9:], rtol=1e-5, atol=1e-5)
+
+
+def test_attention_blocks_bound_the_scores_memory():
+  """XLA's own temp-memory count of a 512-token forward and backward: blocks of 64 queries keep far less than one
+  block of 512 (the [heads, 512, 512] float32 scores per layer are what goes)."""
+  cfg = tiny("qwen2", num_layers=2)
+  params = init_params(cfg, jax.random.key(0))
+  tokens = jnp.zeros((2, 512), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(512), (2, 512))
+
+  def temp_bytes(c):
+    loss = lambda p: jnp.mean(Transformer(c).apply({"params": p}, tokens, pos, jnp.ones((2, 512), bool)).logits)
+    return jax.jit(jax.grad(loss)).lower(params).compile().memory_analysis().temp_size_in_bytes
+
+  whole, blocks = temp_bytes(cfg.replace(attention_chunk=0)), temp_bytes(cfg.replace(attention_chunk=64))
+  scores = 2 * cfg.num_layers * cfg.num_heads * 512 * 512 * 4  # one float32 copy of every layer's scores
+  assert whole - blocks > scores, (whole, blocks, scores)
 
 
 @pytest.mark.parametrize("cfg", [

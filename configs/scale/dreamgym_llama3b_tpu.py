@@ -20,10 +20,10 @@ Tiny (CPU; the same pipeline at test size, see configs/dreamgym_twx.py):
        dreamjax dreamgym --config configs/scale/dreamgym_llama3b_tpu.py:tiny
 
 Why this layout: M_exp sits in the sampling layout (weights whole along fsdp) for the whole run, so its 8B weights
-must split over tensor; tensor = 8 divides every head count (24 and 32 query heads, 8 KV heads). Without fused
-attention the prefills hold [rows, heads, prompt, slots] float32 scores over all 128 rows at once, split only by
-data x fsdp x tensor: on a v4-32 (16 chips) M_exp's prefill at its 3072-token prompts alone would need 32 GiB, so
-this runs on 32 chips; the update runs one row per device per micro-batch for the same reason. Weights load in
+must split over tensor; tensor = 8 divides every head count (24 and 32 query heads, 8 KV heads). Attention
+runs in blocks of 512 queries (ModelConfig.attention_chunk), so float32 scores stay [rows, heads, 512, prompt] per
+layer; M_exp's prefill of 128 rows at 3072-token prompts is still the largest temporary, and the 32 chips leave
+room for it beside both models' weights; the update runs one row per device per micro-batch. Weights load in
 float32 (the loaders keep checkpoints in ModelConfig.param_dtype, float32 by default).
 
 Memory per device (estimates; dreamjax/parallel/memory.py says what each line counts), recomputed by
@@ -42,20 +42,20 @@ tests/test_memory.py from this command:
   M_exp params (sampling layout)                            3.74  all
   policy params re-laid out for sampling                    1.50  rollout,exp_step
   policy KV cache (128 rows x 2080 slots)                   1.78  rollout
-  policy prefill (128 rows x 2048)                          5.80  rollout
-  scoring forward (32 rows x 2304)                          1.82  score
+  policy prefill (128 rows x 2048)                          3.50  rollout
+  scoring forward (32 rows x 2304)                          1.08  score
   gradients (f32 accumulator + one in dtype)                0.75  update
-  activations (1 rows/device x 2304, per micro-batch)       9.43  update
+  activations (1 rows/device x 2304, per micro-batch)       4.31  update
   M_exp KV cache (128 rows x 3584 slots)                    3.50  exp_step
-  M_exp prefill (128 rows x 3072)                          16.31  exp_step
+  M_exp prefill (128 rows x 3072)                           7.31  exp_step
   M_task KV cache (8 rows x 4224 slots)                     0.26  task_gen
-  M_task prefill (8 rows x 4096)                            1.52  task_gen
-  peak rollout                                             14.31
-  peak exp_step                                            26.55
-  peak score                                                7.06
-  peak update                                              15.42
-  peak task_gen                                             7.01
-  fits in 32 GiB per device (83% at the peak)
+  M_task prefill (8 rows x 4096)                            0.61  task_gen
+  peak rollout                                             12.01
+  peak exp_step                                            17.55
+  peak score                                                6.32
+  peak update                                              10.30
+  peak task_gen                                             6.11
+  fits in 32 GiB per device (55% at the peak)
 """
 
 import dataclasses

@@ -22,9 +22,9 @@ Tiny (CPU; the same pipeline at test size, see configs/dreamgym_twx.py):
 Why this layout: the mesh is laid over the processes in order, so tensor = 8 is one host's 8 GPUs on NVLink and
 fsdp = 2 spans the two hosts (weights are all-gathered across hosts once per layer and step, not per token). 8
 divides every head count (32 query heads, 8 KV heads), and M_exp, which sits in the sampling layout (whole along
-fsdp) for the whole run, splits 8 ways. Without fused attention the prefills hold [rows, heads, prompt, slots]
-float32 scores over all 128 rows at once; with the update at two rows per device per micro-batch the peak is M_exp's
-turn. Weights load in float32 (the loaders keep checkpoints in ModelConfig.param_dtype, float32 by default); "h100"
+fsdp) for the whole run, splits 8 ways. Attention runs in blocks of 512 queries (ModelConfig.attention_chunk), so the
+prefills' float32 scores stay [rows, heads, 512, prompt] per layer; with the update at two rows per device per
+micro-batch the peak is M_exp's turn. Weights load in float32 (the loaders keep checkpoints in ModelConfig.param_dtype, float32 by default); "h100"
 below is 90% of 80 GB, the share tpu/gpu_*.sh give XLA (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9).
 
 Memory per device (estimates; dreamjax/parallel/memory.py says what each line counts), recomputed by
@@ -43,20 +43,20 @@ tests/test_memory.py from this command:
   M_exp params (sampling layout)                            3.74  all
   policy params re-laid out for sampling                    3.74  rollout,exp_step
   policy KV cache (128 rows x 2080 slots)                   4.06  rollout
-  policy prefill (128 rows x 2048)                         15.88  rollout
-  scoring forward (32 rows x 2304)                          4.91  score
+  policy prefill (128 rows x 2048)                          9.75  rollout
+  scoring forward (32 rows x 2304)                          2.95  score
   gradients (f32 accumulator + one in dtype)                3.74  update
-  activations (2 rows/device x 2304, per micro-batch)      29.16  update
+  activations (2 rows/device x 2304, per micro-batch)      13.60  update
   M_exp KV cache (128 rows x 3584 slots)                    7.00  exp_step
-  M_exp prefill (128 rows x 3072)                          32.62  exp_step
+  M_exp prefill (128 rows x 3072)                          14.62  exp_step
   M_task KV cache (8 rows x 4224 slots)                     0.52  task_gen
-  M_task prefill (8 rows x 4096)                            3.03  task_gen
-  peak rollout                                             34.90
-  peak exp_step                                            54.59
-  peak score                                               16.14
-  peak update                                              44.12
-  peak task_gen                                            14.77
-  fits in 72 GiB per device (76% at the peak)
+  M_task prefill (8 rows x 4096)                            1.22  task_gen
+  peak rollout                                             28.78
+  peak exp_step                                            36.59
+  peak score                                               14.17
+  peak update                                              28.56
+  peak task_gen                                            12.96
+  fits in 72 GiB per device (51% at the peak)
 """
 
 import dataclasses

@@ -22,9 +22,9 @@ Tiny (CPU; the same pipeline at test size, see configs/dreamgym_twx.py):
 
 Why this layout: Qwen2.5-7B has 28 query heads and 4 KV heads, so the tensor axis can be at most 4 (a larger one
 would leave the KV heads, and the KV cache, whole on every device); fsdp = 4 takes the rest of the 16 chips. M_exp
-sits in the sampling layout (whole along fsdp) for the whole run and splits 4 ways. Without fused attention the
-prefills hold [rows, heads, prompt, slots] float32 scores over all 128 rows at once; 95 GiB leave room for two rows
-per device per micro-batch in the update. Weights load in float32 (the loaders keep checkpoints in
+sits in the sampling layout (whole along fsdp) for the whole run and splits 4 ways. Attention runs in
+blocks of 512 queries (ModelConfig.attention_chunk), so the prefills' float32 scores stay [rows, heads, 512, prompt]
+per layer; 95 GiB leave room for two rows per device per micro-batch in the update. Weights load in float32 (the loaders keep checkpoints in
 ModelConfig.param_dtype, float32 by default).
 
 Memory per device (estimates; dreamjax/parallel/memory.py says what each line counts), recomputed by
@@ -43,20 +43,20 @@ tests/test_memory.py from this command:
   M_exp params (sampling layout)                            7.48  all
   policy params re-laid out for sampling                    7.09  rollout,exp_step
   policy KV cache (128 rows x 2080 slots)                   1.78  rollout
-  policy prefill (128 rows x 2048)                         12.05  rollout
-  scoring forward (32 rows x 2304)                          4.04  score
+  policy prefill (128 rows x 2048)                          6.69  rollout
+  scoring forward (32 rows x 2304)                          2.32  score
   gradients (f32 accumulator + one in dtype)                3.55  update
-  activations (2 rows/device x 2304, per micro-batch)      39.97  update
+  activations (2 rows/device x 2304, per micro-batch)      16.03  update
   M_exp KV cache (128 rows x 3584 slots)                    7.00  exp_step
-  M_exp prefill (128 rows x 3072)                          28.12  exp_step
+  M_exp prefill (128 rows x 3072)                          10.12  exp_step
   M_task KV cache (8 rows x 4224 slots)                     0.52  task_gen
-  M_task prefill (8 rows x 4096)                            2.66  task_gen
-  peak rollout                                             35.49
-  peak exp_step                                            56.79
-  peak score                                               18.61
-  peak update                                              58.09
-  peak task_gen                                            17.75
-  fits in 95 GiB per device (61% at the peak)
+  M_task prefill (8 rows x 4096)                            0.84  task_gen
+  peak rollout                                             30.13
+  peak exp_step                                            38.79
+  peak score                                               16.89
+  peak update                                              34.16
+  peak task_gen                                            15.93
+  fits in 95 GiB per device (41% at the peak)
 """
 
 import dataclasses

@@ -14,8 +14,8 @@ Tiny (CPU; see configs/grpo_real_twx.py):
 
 Why this layout: one process drives all 8 GPUs; tensor = 8 (NVLink) divides the 32 query and 8 KV heads, and with
 fsdp = 1 the training and sampling layouts coincide, so rollouts sample from the trained weights in place (no
-re-laid-out copy). Every device then holds all 128 rollout rows, whose float32 prefill scores dominate the rollout;
-the update runs two rows per micro-batch. Weights load in float32 (the loaders keep checkpoints in
+re-laid-out copy). Every device then holds all 128 rollout rows, whose prefill (float32 scores in blocks of 512
+queries) is the rollout's largest temporary; the update runs two rows per micro-batch. Weights load in float32 (the loaders keep checkpoints in
 ModelConfig.param_dtype, float32 by default); "h100" below is 90% of 80 GB, the share tpu/gpu_*.sh give XLA.
 
 Memory per device (estimates; dreamjax/parallel/memory.py says what each line counts), recomputed by
@@ -32,14 +32,14 @@ tests/test_memory.py from this command:
   reference params (train layout)                           3.74  all
   policy params re-laid out for sampling                    0.00  rollout
   policy KV cache (128 rows x 2080 slots)                   8.12  rollout
-  policy prefill (128 rows x 2048)                         31.75  rollout
-  scoring forward (32 rows x 2304)                          9.42  score
+  policy prefill (128 rows x 2048)                         19.50  rollout
+  scoring forward (32 rows x 2304)                          5.48  score
   gradients (f32 accumulator + one in dtype)                7.48  update
-  activations (2 rows/device x 2304, per micro-batch)      28.99  update
-  peak rollout                                             54.84
-  peak score                                               24.38
-  peak update                                              51.43
-  fits in 72 GiB per device (76% at the peak)
+  activations (2 rows/device x 2304, per micro-batch)      13.46  update
+  peak rollout                                             42.59
+  peak score                                               20.45
+  peak update                                              35.90
+  fits in 72 GiB per device (59% at the peak)
 """
 
 import dataclasses

@@ -48,6 +48,9 @@ class ModelConfig:
   param_dtype: str = "float32"
   value_head: bool = False  # scalar value head on the final hidden state (PPO critic)
   remat: str = "none"  # "none", "full" or "dots": rematerialisation of each layer in the backward pass
+  # Queries per attention block: longer inputs attend block by block, each block's scores recomputed in the backward
+  # pass, so float32 scores never exceed [block, keys] per head (0: one block, whatever the length).
+  attention_chunk: int = 512
 
   def __post_init__(self):
     if self.family not in _ARCHITECTURES:
@@ -58,6 +61,8 @@ class ModelConfig:
       raise ValueError(f"rope type {self.rope_scaling.rope_type!r} is not supported (supported: {_ROPE_TYPES})")
     if self.remat not in ("none", "full", "dots"):
       raise ValueError(f"ModelConfig.remat must be 'none', 'full' or 'dots', got {self.remat!r}")
+    if self.attention_chunk < 0:
+      raise ValueError(f"ModelConfig.attention_chunk must be >= 0 (0: no chunking), got {self.attention_chunk}")
 
   def replace(self, **kw) -> ModelConfig:
     return dataclasses.replace(self, **kw)

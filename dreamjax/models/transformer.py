@@ -74,6 +74,36 @@ class RMSNorm(nn.Module):
     return scale.astype(self.config.dtype) * xf.astype(self.config.dtype)
 
 
+def _attend(
+    q: Float[Array, "B K G T D"], keys: Float[Array, "B K D S"], values: Float[Array, "B K S D"],
+    q_slots: Int[Array, " T"], key_valid: Bool[Array, "B S"], chunk: int,
+) -> Float[Array, "B K G T D"]:
+  """Causal softmax attention in cache slots (query slot q sees valid key slots <= q), `chunk` queries at a time.
+
+  The float32 scores of all queries at once are the largest temporary of a long forward (prompts x slots x heads
+  per row), so longer inputs go block by block through `lax.map`; each block is rematerialised in the backward pass,
+  which then keeps q, k and v instead of every block's scores. Rows are independent, so blocks change no result."""
+  dt = q.dtype
+  d = q.shape[-1]
+
+  def block(q, q_slots):
+    scores = jnp.einsum("bkgtd,bkds->bkgts", q, keys, preferred_element_type=jnp.float32) * (d**-0.5)
+    mask = (jnp.arange(keys.shape[-1])[None, :] <= q_slots[:, None])[None] & key_valid[:, None, :]  # [B, T, S]
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    return jnp.einsum("bkgts,bksd->bkgtd", jax.nn.softmax(scores, axis=-1).astype(dt), values)
+
+  b, k, g, t, _ = q.shape
+  if chunk <= 0 or t <= chunk:
+    return block(q, q_slots)
+  n = -(-t // chunk)
+  # Padded queries take slots past the last one; their rows are computed and dropped.
+  q_slots = q_slots[0] + jnp.arange(n * chunk)
+  q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, n * chunk - t), (0, 0)))
+  blocks = q.reshape(b, k, g, n, chunk, d).transpose(3, 0, 1, 2, 4, 5)
+  out = jax.lax.map(jax.checkpoint(lambda a: block(*a)), (blocks, q_slots.reshape(n, chunk)))
+  return out.transpose(1, 2, 3, 0, 4, 5).reshape(b, k, g, n * chunk, d)[:, :, :, :t]
+
+
 class Attention(nn.Module):
   config: ModelConfig
 
@@ -98,20 +128,19 @@ class Attention(nn.Module):
     q = q.reshape(b, t, k, h // k, d).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, D]
     new_k = apply_rope(proj("k", k, "kv_heads"), positions, inv_freq).transpose(0, 2, 3, 1)  # [B, K, D, T]
     new_v = proj("v", k, "kv_heads").transpose(0, 2, 1, 3)  # [B, K, T, D]
+    keys, values, new_cache = new_k, new_v, None
     if layer_cache is not None:
       ck, cv = layer_cache
       ck = jax.lax.dynamic_update_slice_in_dim(ck, new_k.astype(ck.dtype), cache_index, axis=3)
       cv = jax.lax.dynamic_update_slice_in_dim(cv, new_v.astype(cv.dtype), cache_index, axis=2)
-      keys, values, new_cache = ck.astype(dt), cv.astype(dt), (ck, cv)
-    else:
-      keys, values, new_cache = new_k, new_v, None
-
-    scores = jnp.einsum("bkgtd,bkds->bkgts", q, keys, preferred_element_type=jnp.float32) * (d**-0.5)
-    k_slots = jnp.arange(values.shape[2])
-    mask = (k_slots[None, :] <= q_slots[:, None])[None] & key_valid[:, None, :]  # [B, T, S]
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkgts,bksd->bkgtd", probs, values)
+      new_cache = (ck, cv)
+      if isinstance(cache_index, int) and cache_index == 0:
+        # A prefill into an empty cache: the new tokens are all the keys there are, so attending over the cache's
+        # empty slots (the whole generation budget) would only add masked-out work.
+        key_valid = key_valid[:, :t]
+      else:
+        keys, values = ck.astype(dt), cv.astype(dt)
+    out = _attend(q, keys, values, q_slots, key_valid, cfg.attention_chunk).astype(dt)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, h * d)
     wo = _param(self, "o", (h, d, e), ("heads", "head_dim", "embed"))
     y = out @ wo.reshape(h * d, e).astype(dt)

@@ -21,20 +21,26 @@ What the loops keep on a device, and in which layout (read from dreamjax/rl and 
 Activations are an estimate, documented here so it can be checked: per token and layer the backward pass needs the
 inputs and outputs of both RMSNorms (4 E), post-RoPE q and k and v ((H + 2 K) D), the attention output (H D), gate,
 up and their product (3 M), all in the compute dtype, plus the attention scores, which this model materialises (no
-fused attention kernel): H x T each for the scores, the masked scores and the probabilities in float32 (what XLA kept
-on CPU, measured), and the probabilities again in the compute dtype when that is narrower. Head- and
+fused attention kernel): H x T each for the scores and the probabilities in float32, and the probabilities again in
+the compute dtype when that is narrower. Inputs longer than
+`attention_chunk` attend in query blocks that the backward pass recomputes: no layer keeps scores then, and one
+block's set (block x T per head) is live while it is recomputed. Head- and
 MLP-sized terms divide by the tensor axis when it divides their dimension. With `remat="none"` all L layers keep
 that; with "full" only each layer's input (E) is kept; with "dots" the outputs of the weight matmuls
 ((H + 2 K) D + 2 M + 2 E) and the input are kept. Either remat mode adds one layer's full set (recomputed in the
 backward pass). One more layer's worth covers the backward temporaries, and the vocabulary projection, chunked by
-`dreamjax.rl.logprobs` to at most MAX_LOGITS float32 logits per step, counts twice (logits and their gradient).
+`dreamjax.rl.logprobs` to at most MAX_LOGITS float32 logits per step, counts four times (logits, log-probabilities
+and their gradients). These copy counts are what XLA kept on CPU: varying the vocabulary, the heads and the length
+separately, the first estimate (three copies of the scores, two of the logits) was off by one copy of each.
 Forward-only passes (reference scoring, sampler prefill) hold one layer's temporaries at a time: two float32 copies
-of the scores over all key slots (scores and probabilities), the residual stream and gate and up (3 E + 2 M), or
-the logits after the last layer, whichever is larger.
+of one query block's scores (scores and probabilities; a prefill attends over the prompt alone, not the cache's
+empty slots), the residual stream and gate and up (3 E + 2 M), or the logits after the last layer, whichever is
+larger.
 
 Checked against XLA's own accounting (`compiled.memory_analysis().temp_size_in_bytes`, CPU, one device; see
-tests/test_memory.py): the update step's activations and gradients came to 0.98-1.16x of it with remat off, the
-sampler's and scorer's forwards to 1.05-1.29x (the estimate errs on the safe side). On CPU, XLA's temp memory did
+tests/test_memory.py): the update step's activations and gradients came to 1.02-1.09x of it with remat off (lengths
+256 and 512, vocabularies 512 and 2048, 4 and 8 heads, one query block or blocks of 64), the sampler's forward to
+1.15-1.35x (the estimate errs on the safe side: it adds the attention and MLP temporaries, which XLA overlaps). On CPU, XLA's temp memory did
 not shrink with remat="full" (the recomputing matmuls are there, 142 dots against 110, but its scheduler keeps the
 memory), so the remat rows are the textbook figures, to be checked on an accelerator with the same call.
 """
@@ -229,11 +235,18 @@ def _scores(cfg: ModelConfig, heads: int, keys: int, copies: int) -> int:
   return heads * keys * (copies * 4 + (a if a != 4 else 0))
 
 
-def _per_token(cfg: ModelConfig, sizes: Mapping[str, int], rules: Rules, keys: int) -> int:
-  """Bytes one layer keeps per token for its backward pass (see the module docstring)."""
+def _query_block(cfg: ModelConfig, length: int) -> int:
+  """Queries whose scores are live at once: the model attends `attention_chunk` queries at a time."""
+  return length if cfg.attention_chunk <= 0 else min(length, cfg.attention_chunk)
+
+
+def _per_token(cfg: ModelConfig, sizes: Mapping[str, int], rules: Rules, length: int) -> int:
+  """Bytes one layer keeps per token for its backward pass (see the module docstring); blocked attention keeps no
+  scores (each block is recomputed)."""
   h, k, m = _local_dims(cfg, sizes, rules)
   a = DTYPE_BYTES[cfg.dtype]
-  return a * (4 * cfg.hidden_size + (2 * h + 2 * k) * cfg.head_dim + 3 * m) + _scores(cfg, h, keys, copies=3)
+  scores = _scores(cfg, h, length, copies=2) if _query_block(cfg, length) == length else 0
+  return a * (4 * cfg.hidden_size + (2 * h + 2 * k) * cfg.head_dim + 3 * m) + scores
 
 
 def _dots_per_token(cfg: ModelConfig, sizes: Mapping[str, int], rules: Rules) -> int:
@@ -261,7 +274,11 @@ def activation_bytes(cfg: ModelConfig, rows: int, length: int, sizes: Mapping[st
                      ) -> int:
   """Estimated activation memory of one forward + backward over a [rows, length] micro-batch (see the docstring)."""
   tokens = local_rows(rows, sizes, rules) * length
-  layer = _per_token(cfg, sizes, rules, keys=length)
+  layer = _per_token(cfg, sizes, rules, length)
+  block = _query_block(cfg, length)
+  # Blocked attention: the backward pass recomputes one block's scores at a time.
+  recomputed = 0 if block == length else \
+      local_rows(rows, sizes, rules) * block * _scores(cfg, _local_dims(cfg, sizes, rules)[0], length, copies=2)
   embed = DTYPE_BYTES[cfg.dtype] * cfg.hidden_size
   if cfg.remat == "none":
     kept = (cfg.num_layers + 1) * layer
@@ -269,23 +286,26 @@ def activation_bytes(cfg: ModelConfig, rows: int, length: int, sizes: Mapping[st
     kept = cfg.num_layers * embed + 2 * layer
   else:
     kept = cfg.num_layers * (embed + _dots_per_token(cfg, sizes, rules)) + 2 * layer
-  return tokens * (kept + 3 * embed) + 2 * _logits_bytes(cfg, rows, length, sizes, rules) + \
+  return tokens * (kept + 3 * embed) + recomputed + 4 * _logits_bytes(cfg, rows, length, sizes, rules) + \
       _gathered_layer_bytes(cfg, sizes, rules)
 
 
-def forward_bytes(cfg: ModelConfig, rows: int, length: int, keys: int, sizes: Mapping[str, int], rules: Rules,
+def forward_bytes(cfg: ModelConfig, rows: int, length: int, sizes: Mapping[str, int], rules: Rules,
                   logits_positions: int | None = None) -> int:
-  """Peak temporaries of a forward pass without gradients: one layer at a time over `keys` key slots, the residual
-  stream, and the logits of `logits_positions` positions per row (None: all, chunked as the scorer does)."""
-  tokens = local_rows(rows, sizes, rules) * length
+  """Peak temporaries of a forward pass without gradients over `length` tokens (a scoring pass, or a prefill, which
+  attends over the prompt alone): one layer at a time, the residual stream, and the logits of `logits_positions`
+  positions per row (None: all, chunked as the scorer does)."""
+  local = local_rows(rows, sizes, rules)
+  tokens = local * length
   h, _, m = _local_dims(cfg, sizes, rules)
-  # Without a backward pass only one layer's temporaries are live (the scores, the stream around the layer, gate and
-  # up), and the logits come after the last layer: the peak is the larger of the two, over the residual stream.
+  # Without a backward pass only one layer's temporaries are live (one query block's scores, the stream around the
+  # layer, gate and up), and the logits come after the last layer: the peak is the larger of the two, over the
+  # residual stream.
   a = DTYPE_BYTES[cfg.dtype]
-  layer = _scores(cfg, h, keys, copies=2) + a * (2 * cfg.hidden_size + 2 * m)
+  layer = local * _query_block(cfg, length) * _scores(cfg, h, length, copies=2) + \
+      tokens * a * (2 * cfg.hidden_size + 2 * m)
   logits = _logits_bytes(cfg, rows, length if logits_positions is None else logits_positions, sizes, rules)
-  return tokens * a * cfg.hidden_size + max(tokens * layer, logits) + \
-      _gathered_layer_bytes(cfg, sizes, rules)
+  return tokens * a * cfg.hidden_size + max(layer, logits) + _gathered_layer_bytes(cfg, sizes, rules)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,9 +371,9 @@ def _learner_lines(rl: RLConfig, policy: ModelConfig, sizes: Mapping[str, int],
       Line("policy params re-laid out for sampling", copy, sampling),
       Line(f"policy KV cache ({rows} rows x {slots} slots)", kv_cache_bytes(policy, rows, slots, sizes), ("rollout",)),
       Line(f"policy prefill ({rows} rows x {prompt})",
-           forward_bytes(policy, rows, prompt, slots, sizes, SAMPLE_RULES, logits_positions=1), ("rollout",)),
+           forward_bytes(policy, rows, prompt, sizes, SAMPLE_RULES, logits_positions=1), ("rollout",)),
       Line(f"scoring forward ({rl.score_batch} rows x {length})",
-           forward_bytes(policy, rl.score_batch, length, length, sizes, TRAIN_RULES), ("score",)),
+           forward_bytes(policy, rl.score_batch, length, sizes, TRAIN_RULES), ("score",)),
       Line("gradients (f32 accumulator + one in dtype)", elements * 4 + p_train, ("update",)),
       Line(f"activations ({local_rows(micro_rows, sizes, TRAIN_RULES)} rows/device x {length}, per micro-batch)",
            activation_bytes(policy, micro_rows, length, sizes, TRAIN_RULES), ("update",)),
@@ -386,7 +406,7 @@ def plan_dreamgym(cfg: DreamGymConfig, policy: ModelConfig, exp: ModelConfig, si
   transient += [
       Line(f"M_exp KV cache ({rows} rows x {slots} slots)", kv_cache_bytes(exp, rows, slots, sizes), ("exp_step",)),
       Line(f"M_exp prefill ({rows} rows x {prompt})",
-           forward_bytes(exp, rows, prompt, slots, sizes, SAMPLE_RULES, logits_positions=1), ("exp_step",)),
+           forward_bytes(exp, rows, prompt, sizes, SAMPLE_RULES, logits_positions=1), ("exp_step",)),
   ]
   phases = ("rollout", "exp_step", "score", "update")
   if c.enabled and c.generate_every:
@@ -397,7 +417,7 @@ def plan_dreamgym(cfg: DreamGymConfig, policy: ModelConfig, exp: ModelConfig, si
         Line(f"M_task KV cache ({task_rows} rows x {slots} slots)", kv_cache_bytes(exp, task_rows, slots, sizes),
              ("task_gen",)),
         Line(f"M_task prefill ({task_rows} rows x {task_prompt})",
-             forward_bytes(exp, task_rows, task_prompt, slots, sizes, SAMPLE_RULES, logits_positions=1),
+             forward_bytes(exp, task_rows, task_prompt, sizes, SAMPLE_RULES, logits_positions=1),
              ("task_gen",)),
     ]
     phases += ("task_gen",)
