@@ -312,3 +312,16 @@ def test_configs_load_and_bad_settings_are_clear_errors(tmp_path):
   with pytest.raises(ValueError, match="held-out"):
     run(RLConfig(train_tasks=TaskSpec(split="dev", count=3), eval_tasks=TaskSpec(split="dev", count=2),
                  out_dir=str(tmp_path)))
+
+
+def test_model_source_sets_how_the_loaded_policy_computes(tmp_path):
+  """dtype, remat and attention blocks from the config reach the loaded model; the weights stay float32."""
+  from dreamjax.train.run import build_tiny_checkpoint
+
+  source = ModelSource(dtype="bfloat16", remat="full", attention_chunk=64)
+  folder = build_tiny_checkpoint(source, ["go north", "take key", "open door"] * 20, tmp_path / "m", seed=0)
+  cfg, params, _ = load_model(folder, overrides=source.overrides())
+  assert (cfg.dtype, cfg.remat, cfg.attention_chunk, cfg.param_dtype) == ("bfloat16", "full", 64, "float32")
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("float32")}
+  with pytest.raises(ValueError, match="ModelSource.dtype must be"):
+    ModelSource(dtype="float16")

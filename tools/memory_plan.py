@@ -10,8 +10,8 @@ tiny policy built at run time. Nothing is loaded or allocated.
     python tools/memory_plan.py --config configs/grpo_real_twx.py --devices 8 --arch policy=qwen2.5-7b \\
       --set mesh.fsdp=8 --dtype bfloat16 --remat full
 
-`--dtype` and `--remat` show what a change of the models' dtype or rematerialisation would do (the loops load
-checkpoints in float32 with remat off unless the ModelConfig says otherwise).
+The policy computes as the config's `model` (ModelSource: dtype, remat, attention_chunk) says, with float32 weights.
+`--dtype` and `--remat` show what a change of the models' dtype (weights included) or rematerialisation would do.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def build_plan(argv: Sequence[str] | None = None) -> tuple[MemoryPlan, float | N
   if not isinstance(rl, RLConfig):
     raise ValueError(f"{args.config}: gives a {type(cfg).__name__}; memory_plan handles RLConfig and DreamGymConfig")
   policy = resolve_arch("policy", arch.get("policy"), rl.model.checkpoint, rl.model.tiny, "model.checkpoint")
-  policy = policy.replace(value_head=policy.value_head or rl.model.value_head or rl.algorithm == "ppo")
+  policy = policy.replace(value_head=policy.value_head or rl.model.value_head or rl.algorithm == "ppo",
+                          **rl.model.overrides())
   models = {"policy": policy}
   if isinstance(cfg, DreamGymConfig):
     models["exp"] = resolve_arch("exp", arch.get("exp"), cfg.exp_model, None, "exp_model")

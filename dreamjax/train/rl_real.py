@@ -444,7 +444,8 @@ def load_policy(cfg: RLConfig, out: Path, resuming: bool, env: BatchEnv, pool: l
       build_tiny_checkpoint(dataclasses.replace(cfg.model, value_head=cfg.model.value_head or cfg.algorithm == "ppo"),
                             texts, init_model, cfg.seed)
     barrier("rl_real.init_model")
-  model_cfg, params, tok = load_model(folder, value_head=cfg.algorithm == "ppo", mesh=mesh, seed=cfg.seed)
+  model_cfg, params, tok = load_model(folder, value_head=cfg.algorithm == "ppo", mesh=mesh, seed=cfg.seed,
+                                      overrides=cfg.model.overrides())
   return folder, model_cfg, params, tok
 
 

@@ -73,6 +73,19 @@ class ModelSource:
   tiny: ModelConfig = tiny("qwen2", vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=2,
                            num_heads=4, num_kv_heads=2, head_dim=32)  # vocab_size is the tokenizer's size
   value_head: bool = False  # PPO's critic; added (zero-initialised) when the checkpoint has none
+  # How the loaded model computes (they override the checkpoint's config; the weights stay float32: with bfloat16
+  # weights AdamW's steps of lr ~1e-6 on weights ~1e-2 fall below bfloat16's resolution and round away).
+  dtype: str = "float32"  # activations and matmuls: "bfloat16" for mixed precision
+  remat: str = "none"  # rematerialisation of each layer in the backward pass: "none", "full" or "dots"
+  attention_chunk: int = 512  # queries per attention block (ModelConfig.attention_chunk)
+
+  def __post_init__(self):
+    if self.dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"ModelSource.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+
+  def overrides(self) -> dict[str, Any]:
+    """What `load_model` applies over the checkpoint's own config."""
+    return {"dtype": self.dtype, "remat": self.remat, "attention_chunk": self.attention_chunk}
 
 
 def build_tiny_checkpoint(source: ModelSource, texts: Iterable[str], folder: Path, seed: int) -> Path:
@@ -86,9 +99,10 @@ def build_tiny_checkpoint(source: ModelSource, texts: Iterable[str], folder: Pat
 
 
 def load_model(folder: str | Path, *, value_head: bool = False, mesh=None, rules: Rules = TRAIN_RULES,
-               seed: int = 0) -> tuple[ModelConfig, Any, Tokenizer]:
-  """(config, params, tokenizer) from an HF folder; a value head is added zero-initialised when asked and absent."""
-  cfg, params = load_hf_checkpoint(folder, mesh=mesh, rules=rules)
+               seed: int = 0, overrides: Mapping[str, Any] | None = None) -> tuple[ModelConfig, Any, Tokenizer]:
+  """(config, params, tokenizer) from an HF folder; a value head is added zero-initialised when asked and absent.
+  `overrides` (ModelConfig fields, e.g. `ModelSource.overrides()`) replace the checkpoint config's."""
+  cfg, params = load_hf_checkpoint(folder, mesh=mesh, rules=rules, **(overrides or {}))
   if value_head and not cfg.value_head:
     cfg = cfg.replace(value_head=True)
     fresh = init_params(cfg, jax.random.key(seed), mesh=mesh, rules=rules)  # the value head initialises to zeros
