@@ -20,11 +20,11 @@ Tiny (CPU; the same pipeline at test size, see configs/dreamgym_twx.py):
        dreamjax dreamgym --config configs/scale/dreamgym_llama3b_tpu.py:tiny
 
 Why this layout: M_exp sits in the sampling layout (weights whole along fsdp) for the whole run, so its 8B weights
-must split over tensor; tensor = 8 divides every head count (24 and 32 query heads, 8 KV heads). Attention
-runs in blocks of 512 queries (ModelConfig.attention_chunk), so float32 scores stay [rows, heads, 512, prompt] per
-layer; M_exp's prefill of 128 rows at 3072-token prompts is still the largest temporary, and the 32 chips leave
-room for it beside both models' weights; the update runs one row per device per micro-batch. Weights load in
-float32 (the loaders keep checkpoints in ModelConfig.param_dtype, float32 by default).
+must split over tensor; tensor = 8 divides every head count (24 and 32 query heads, 8 KV heads). Attention runs in
+blocks of 512 queries (ModelConfig.attention_chunk), so float32 scores stay [rows, heads, 512, prompt] per layer;
+M_exp's prefill of 128 rows at 3072-token prompts is still the largest temporary, and the 32 chips leave room for it
+beside both models' weights; the update runs one row per device per micro-batch. The policy computes in bfloat16
+(model.dtype) over float32 weights, which AdamW needs: its steps of lr ~1e-6 would round away in bfloat16 weights.
 
 Memory per device (estimates; dreamjax/parallel/memory.py says what each line counts), recomputed by
 tests/test_memory.py from this command:
@@ -33,7 +33,7 @@ tests/test_memory.py from this command:
 
   configs/scale/dreamgym_llama3b_tpu.py (DreamGymConfig)
   mesh data=1 fsdp=4 tensor=8 (32 devices)
-  policy: 3.213B params, float32 weights, float32 compute, remat none
+  policy: 3.213B params, float32 weights, bfloat16 compute, remat none
   M_exp: 8.030B params, float32 weights, float32 compute, remat none
   component                                           GiB/device  live in
   policy params (train layout)                              0.37  all
@@ -41,19 +41,19 @@ tests/test_memory.py from this command:
   reference params (train layout)                           0.37  all
   M_exp params (sampling layout)                            3.74  all
   policy params re-laid out for sampling                    1.50  rollout,exp_step
-  policy KV cache (128 rows x 2080 slots)                   1.78  rollout
-  policy prefill (128 rows x 2048)                          3.50  rollout
-  scoring forward (32 rows x 2304)                          1.08  score
+  policy KV cache (128 rows x 2080 slots)                   0.89  rollout
+  policy prefill (128 rows x 2048)                          2.31  rollout
+  scoring forward (32 rows x 2304)                          0.74  score
   gradients (f32 accumulator + one in dtype)                0.75  update
-  activations (1 rows/device x 2304, per micro-batch)       4.31  update
+  activations (1 rows/device x 2304, per micro-batch)       2.24  update
   M_exp KV cache (128 rows x 3584 slots)                    3.50  exp_step
   M_exp prefill (128 rows x 3072)                           7.31  exp_step
   M_task KV cache (8 rows x 4224 slots)                     0.26  task_gen
   M_task prefill (8 rows x 4096)                            0.61  task_gen
-  peak rollout                                             12.01
+  peak rollout                                              9.94
   peak exp_step                                            17.55
-  peak score                                                6.32
-  peak update                                              10.30
+  peak score                                                5.98
+  peak update                                               8.22
   peak task_gen                                             6.11
   fits in 32 GiB per device (55% at the peak)
 """
@@ -73,7 +73,7 @@ def config() -> DreamGymConfig:
   base = load_config(_BASE)
   rl = dataclasses.replace(
       base.rl,
-      model=ModelSource(checkpoint="runs/policy_sft/twx_llama3b/checkpoint"),
+      model=ModelSource(checkpoint="runs/policy_sft/twx_llama3b/checkpoint", dtype="bfloat16"),
       mesh=MeshConfig(data=1, fsdp=4, tensor=8),
       micro_batches=64,  # 256 rows per step over data x fsdp = 4: one row per device per micro-batch
       score_batch=32,

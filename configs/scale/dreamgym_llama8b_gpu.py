@@ -22,10 +22,11 @@ Tiny (CPU; the same pipeline at test size, see configs/dreamgym_twx.py):
 Why this layout: the mesh is laid over the processes in order, so tensor = 8 is one host's 8 GPUs on NVLink and
 fsdp = 2 spans the two hosts (weights are all-gathered across hosts once per layer and step, not per token). 8
 divides every head count (32 query heads, 8 KV heads), and M_exp, which sits in the sampling layout (whole along
-fsdp) for the whole run, splits 8 ways. Attention runs in blocks of 512 queries (ModelConfig.attention_chunk), so the
-prefills' float32 scores stay [rows, heads, 512, prompt] per layer; with the update at two rows per device per
-micro-batch the peak is M_exp's turn. Weights load in float32 (the loaders keep checkpoints in ModelConfig.param_dtype, float32 by default); "h100"
-below is 90% of 80 GB, the share tpu/gpu_*.sh give XLA (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9).
+fsdp) for the whole run, splits 8 ways. Attention runs in blocks of 512 queries (ModelConfig.attention_chunk), so
+the prefills' float32 scores stay [rows, heads, 512, prompt] per layer; with the update at two rows per device per
+micro-batch the peak is M_exp's turn. The policy computes in bfloat16 (model.dtype) over float32 weights, which
+AdamW needs: its steps of lr ~1e-6 would round away in bfloat16 weights. "h100" below is 90% of 80 GB, the share
+tpu/gpu_*.sh give XLA (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9).
 
 Memory per device (estimates; dreamjax/parallel/memory.py says what each line counts), recomputed by
 tests/test_memory.py from this command:
@@ -34,7 +35,7 @@ tests/test_memory.py from this command:
 
   configs/scale/dreamgym_llama8b_gpu.py (DreamGymConfig)
   mesh data=1 fsdp=2 tensor=8 (16 devices)
-  policy: 8.030B params, float32 weights, float32 compute, remat none
+  policy: 8.030B params, float32 weights, bfloat16 compute, remat none
   M_exp: 8.030B params, float32 weights, float32 compute, remat none
   component                                           GiB/device  live in
   policy params (train layout)                              1.87  all
@@ -42,19 +43,19 @@ tests/test_memory.py from this command:
   reference params (train layout)                           1.87  all
   M_exp params (sampling layout)                            3.74  all
   policy params re-laid out for sampling                    3.74  rollout,exp_step
-  policy KV cache (128 rows x 2080 slots)                   4.06  rollout
-  policy prefill (128 rows x 2048)                          9.75  rollout
-  scoring forward (32 rows x 2304)                          2.95  score
+  policy KV cache (128 rows x 2080 slots)                   2.03  rollout
+  policy prefill (128 rows x 2048)                          6.38  rollout
+  scoring forward (32 rows x 2304)                          2.00  score
   gradients (f32 accumulator + one in dtype)                3.74  update
-  activations (2 rows/device x 2304, per micro-batch)      13.60  update
+  activations (2 rows/device x 2304, per micro-batch)       6.98  update
   M_exp KV cache (128 rows x 3584 slots)                    7.00  exp_step
   M_exp prefill (128 rows x 3072)                          14.62  exp_step
   M_task KV cache (8 rows x 4224 slots)                     0.52  task_gen
   M_task prefill (8 rows x 4096)                            1.22  task_gen
-  peak rollout                                             28.78
+  peak rollout                                             23.37
   peak exp_step                                            36.59
-  peak score                                               14.17
-  peak update                                              28.56
+  peak score                                               13.22
+  peak update                                              21.95
   peak task_gen                                            12.96
   fits in 72 GiB per device (51% at the peak)
 """
@@ -74,7 +75,7 @@ def config() -> DreamGymConfig:
   base = load_config(_BASE)
   rl = dataclasses.replace(
       base.rl,
-      model=ModelSource(checkpoint="runs/policy_sft/twx_llama8b/checkpoint"),
+      model=ModelSource(checkpoint="runs/policy_sft/twx_llama8b/checkpoint", dtype="bfloat16"),
       mesh=MeshConfig(data=1, fsdp=2, tensor=8),
       micro_batches=64,  # 256 rows per step over data x fsdp = 2: two rows per device per micro-batch
       score_batch=32,

@@ -22,10 +22,10 @@ Tiny (CPU; the same pipeline at test size, see configs/dreamgym_twx.py):
 
 Why this layout: Qwen2.5-7B has 28 query heads and 4 KV heads, so the tensor axis can be at most 4 (a larger one
 would leave the KV heads, and the KV cache, whole on every device); fsdp = 4 takes the rest of the 16 chips. M_exp
-sits in the sampling layout (whole along fsdp) for the whole run and splits 4 ways. Attention runs in
-blocks of 512 queries (ModelConfig.attention_chunk), so the prefills' float32 scores stay [rows, heads, 512, prompt]
-per layer; 95 GiB leave room for two rows per device per micro-batch in the update. Weights load in float32 (the loaders keep checkpoints in
-ModelConfig.param_dtype, float32 by default).
+sits in the sampling layout (whole along fsdp) for the whole run and splits 4 ways. Attention runs in blocks of 512
+queries (ModelConfig.attention_chunk), so the prefills' float32 scores stay [rows, heads, 512, prompt] per layer;
+95 GiB leave room for two rows per device per micro-batch in the update. The policy computes in bfloat16
+(model.dtype) over float32 weights, which AdamW needs: its steps of lr ~1e-6 would round away in bfloat16 weights.
 
 Memory per device (estimates; dreamjax/parallel/memory.py says what each line counts), recomputed by
 tests/test_memory.py from this command:
@@ -34,7 +34,7 @@ tests/test_memory.py from this command:
 
   configs/scale/dreamgym_qwen7b_tpu.py (DreamGymConfig)
   mesh data=1 fsdp=4 tensor=4 (16 devices)
-  policy: 7.616B params, float32 weights, float32 compute, remat none
+  policy: 7.616B params, float32 weights, bfloat16 compute, remat none
   M_exp: 8.030B params, float32 weights, float32 compute, remat none
   component                                           GiB/device  live in
   policy params (train layout)                              1.77  all
@@ -42,19 +42,19 @@ tests/test_memory.py from this command:
   reference params (train layout)                           1.77  all
   M_exp params (sampling layout)                            7.48  all
   policy params re-laid out for sampling                    7.09  rollout,exp_step
-  policy KV cache (128 rows x 2080 slots)                   1.78  rollout
-  policy prefill (128 rows x 2048)                          6.69  rollout
-  scoring forward (32 rows x 2304)                          2.32  score
+  policy KV cache (128 rows x 2080 slots)                   0.89  rollout
+  policy prefill (128 rows x 2048)                          4.66  rollout
+  scoring forward (32 rows x 2304)                          1.74  score
   gradients (f32 accumulator + one in dtype)                3.55  update
-  activations (2 rows/device x 2304, per micro-batch)      16.03  update
+  activations (2 rows/device x 2304, per micro-batch)       8.36  update
   M_exp KV cache (128 rows x 3584 slots)                    7.00  exp_step
   M_exp prefill (128 rows x 3072)                          10.12  exp_step
   M_task KV cache (8 rows x 4224 slots)                     0.52  task_gen
   M_task prefill (8 rows x 4096)                            0.84  task_gen
-  peak rollout                                             30.13
+  peak rollout                                             27.21
   peak exp_step                                            38.79
-  peak score                                               16.89
-  peak update                                              34.16
+  peak score                                               16.32
+  peak update                                              26.48
   peak task_gen                                            15.93
   fits in 95 GiB per device (41% at the peak)
 """
@@ -74,7 +74,7 @@ def config() -> DreamGymConfig:
   base = load_config(_BASE)
   rl = dataclasses.replace(
       base.rl,
-      model=ModelSource(checkpoint="runs/policy_sft/twx_qwen7b/checkpoint"),
+      model=ModelSource(checkpoint="runs/policy_sft/twx_qwen7b/checkpoint", dtype="bfloat16"),
       mesh=MeshConfig(data=1, fsdp=4, tensor=4),
       micro_batches=32,  # 256 rows per step over data x fsdp = 4: two rows per device per micro-batch
       score_batch=32,

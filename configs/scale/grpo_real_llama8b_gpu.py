@@ -15,8 +15,9 @@ Tiny (CPU; see configs/grpo_real_twx.py):
 Why this layout: one process drives all 8 GPUs; tensor = 8 (NVLink) divides the 32 query and 8 KV heads, and with
 fsdp = 1 the training and sampling layouts coincide, so rollouts sample from the trained weights in place (no
 re-laid-out copy). Every device then holds all 128 rollout rows, whose prefill (float32 scores in blocks of 512
-queries) is the rollout's largest temporary; the update runs two rows per micro-batch. Weights load in float32 (the loaders keep checkpoints in
-ModelConfig.param_dtype, float32 by default); "h100" below is 90% of 80 GB, the share tpu/gpu_*.sh give XLA.
+queries) is the rollout's largest temporary; the update runs two rows per micro-batch. The policy computes in
+bfloat16 (model.dtype) over float32 weights, which AdamW needs: its steps of lr ~1e-6 would round away in bfloat16
+weights. "h100" below is 90% of 80 GB, the share tpu/gpu_*.sh give XLA.
 
 Memory per device (estimates; dreamjax/parallel/memory.py says what each line counts), recomputed by
 tests/test_memory.py from this command:
@@ -25,21 +26,21 @@ tests/test_memory.py from this command:
 
   configs/scale/grpo_real_llama8b_gpu.py (RLConfig)
   mesh data=1 fsdp=1 tensor=8 (8 devices)
-  policy: 8.030B params, float32 weights, float32 compute, remat none
+  policy: 8.030B params, float32 weights, bfloat16 compute, remat none
   component                                           GiB/device  live in
   policy params (train layout)                              3.74  all
   AdamW moments (2 x params dtype)                          7.48  all
   reference params (train layout)                           3.74  all
   policy params re-laid out for sampling                    0.00  rollout
-  policy KV cache (128 rows x 2080 slots)                   8.12  rollout
-  policy prefill (128 rows x 2048)                         19.50  rollout
-  scoring forward (32 rows x 2304)                          5.48  score
+  policy KV cache (128 rows x 2080 slots)                   4.06  rollout
+  policy prefill (128 rows x 2048)                         12.75  rollout
+  scoring forward (32 rows x 2304)                          3.59  score
   gradients (f32 accumulator + one in dtype)                7.48  update
-  activations (2 rows/device x 2304, per micro-batch)      13.46  update
-  peak rollout                                             42.59
-  peak score                                               20.45
-  peak update                                              35.90
-  fits in 72 GiB per device (59% at the peak)
+  activations (2 rows/device x 2304, per micro-batch)       6.84  update
+  peak rollout                                             31.77
+  peak score                                               18.55
+  peak update                                              29.29
+  fits in 72 GiB per device (44% at the peak)
 """
 
 import dataclasses
@@ -56,7 +57,7 @@ _BASE = str(Path(__file__).parent.parent / "grpo_real_twx.py")
 def config() -> RLConfig:
   return dataclasses.replace(
       load_config(_BASE),
-      model=ModelSource(checkpoint="runs/policy_sft/twx_llama8b/checkpoint"),
+      model=ModelSource(checkpoint="runs/policy_sft/twx_llama8b/checkpoint", dtype="bfloat16"),
       mesh=MeshConfig(data=1, fsdp=1, tensor=8),
       micro_batches=128,  # 256 rows per step, not split over devices (data x fsdp = 1): two rows per micro-batch
       score_batch=32,
