@@ -44,7 +44,8 @@ def grads_of(state):
 
 
 _OPTIMIZERS = {"sgd": sgd(), "adam": make_optimizer(ADAM), "adam_const": make_optimizer(OptimConfig(lr=1e-2)),
-               "adam_vh": make_optimizer(OptimConfig(lr=1e-3, value_head_lr_multiplier=10.0, weight_decay=0.01))}
+               "adam_vh": make_optimizer(OptimConfig(lr=1e-3, value_head_lr_multiplier=10.0, weight_decay=0.01)),
+               "adam_tiny": make_optimizer(OptimConfig(lr=1e-6))}
 
 
 @functools.cache
@@ -310,3 +311,20 @@ def test_objective_registry_and_config_errors():
     PolicyGradientConfig(agg="sum")
   with pytest.raises(ValueError, match="needs total_steps"):
     OptimConfig(schedule="cosine", total_steps=0)
+
+
+def test_bfloat16_compute_steps_float32_weights(params):
+  """Mixed precision (ModelSource.dtype): a bfloat16-compute GRPO step keeps float32 weights and moments, moves them
+  by an lr-sized step (1e-6 on weights ~1e-2 is below bfloat16's resolution: only float32 weights keep it), and its
+  loss and gradient norm stay near the float32 step's."""
+  objective = make_objective("grpo")
+  opt = "adam_tiny"
+  batch = pg_batch(12, params)
+  half = CFG.replace(dtype="bfloat16")
+  full_state, full_m = train_step(CFG, objective, opt, 1)(fresh_state(CFG, params, opt), batch, jax.random.key(0))
+  state, m = train_step(half, objective, opt, 1)(fresh_state(half, params, opt), batch, jax.random.key(0))
+  assert {x.dtype for x in jax.tree.leaves((state.params, state.opt_state[1].mu))} == {jnp.dtype("float32")}
+  moved = np.abs(np.asarray(state.params["lm_head"]) - np.asarray(params["lm_head"]))
+  assert 0.5e-6 < moved.max() < 2e-6 and np.count_nonzero(moved) > 0.9 * moved.size
+  for key in ("loss", "grad_norm"):
+    np.testing.assert_allclose(m[key], full_m[key], rtol=5e-2, err_msg=key)
