@@ -1,39 +1,56 @@
-"""One process of the two-process real-env GRPO run of tests/test_distributed.py.
+"""One process of the two-process runs of tests/test_distributed.py.
 
-Each process is started with 4 fake CPU devices; `run` joins them (through `DistributedConfig`'s environment
+Each process is started with 4 fake CPU devices; every command joins them (through `DistributedConfig`'s environment
 variables, as a launcher would set them) into one 8-device mesh. Both run the same program on the same seeds and
-tasks. Every process reports, as JSON in REPORT: its process index and count, the devices it saw, the summary `run`
-returned, the final checkpoint's metadata and a checksum of its arrays (restored and gathered, so each process checks
-what the cluster holds), and every file or folder under OUT_DIR that it created, wrote, renamed or removed (from
-Python's audit hooks, which see every `open`, `os.mkdir`, `os.rename`, `os.replace`, `os.remove` and
+data, three commands in a row (one start-up and one `jax.distributed` cluster for all of them):
+1. `dreamjax train-exp` (`exp_config`): M_exp SFT on the warm start's offline data, into OUT_ROOT/exp;
+2. `dreamjax rl` (`dist_config`): two GRPO iterations on real TextWorld-Express, into OUT_ROOT/run;
+3. `dreamjax dreamgym` (`dreamgym_config`): two GRPO iterations inside the experience model of 1. (the
+   single-process reference waits for it and uses it too), with the curriculum, M_task and replay write-back,
+   evaluated on real TextWorld-Express, into OUT_ROOT/dreamgym.
+Every process reports, as JSON in REPORT: its process index and count, the devices it saw, each command's summary,
+for rl and dreamgym the final checkpoint's metadata and a checksum of its arrays (restored and gathered, so each
+process checks what the cluster holds), and every file or folder under OUT_ROOT that it created, wrote, renamed or
+removed (from Python's audit hooks, which see every `open`, `os.mkdir`, `os.rename`, `os.replace`, `os.remove` and
 `shutil.rmtree` of the process, whichever library makes them; orbax's array shards are written by TensorStore's C++
 code, which the hooks do not see).
 
-`dist_config` is the one config of the test: the distributed run and the single-process reference run it.
+The config functions are the test's only configs: the distributed runs and the single-process references use them.
 
-`helpers` checks the host-side helpers of `dreamjax.parallel` across the two processes, without a model.
+`reference` runs the same three commands in one process on 8 devices: the test's single-process references.
+
+`helpers` checks the host-side helpers of `dreamjax.parallel` across the two processes, without a model, and that a
+mesh leaving a process out is refused with a clear error.
 
 Usage (with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID set):
-  python tests/distributed_child.py WARM_START_FOLDER OUT_DIR REPORT
+  python tests/distributed_child.py WARM_START_FOLDER OFFLINE_DATA OUT_ROOT REPORT
   python tests/distributed_child.py helpers REPORT
+Usage (alone, with 8 fake devices):
+  python tests/distributed_child.py reference WARM_START_FOLDER OFFLINE_DATA OUT_ROOT DIST_OUT_ROOT REPORT
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import sys
 from pathlib import Path
 
+from dreamjax.config import load_config
 from dreamjax.parallel import MeshConfig
 from dreamjax.rl.objectives import PolicyGradientConfig
 from dreamjax.rl.optim import OptimConfig
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
 from dreamjax.track import TrackConfig
+from dreamjax.train.dreamgym import CurriculumConfig, DreamGymConfig
+from dreamjax.train.exp_sft import ExpSftConfig
 from dreamjax.train.rl_real import RLConfig, TaskSpec
 from dreamjax.train.run import ModelSource
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TWO_ROOMS = "numLocations=2, includeDoors=0"
 FMT = AgentFormat(think=False, history_turns=2, history_token_budget=200)
@@ -50,6 +67,28 @@ def dist_config(warm_start: str | Path, out: str | Path) -> RLConfig:
                   tasks_per_iteration=2, optim=OptimConfig(lr=1e-3), rows_per_step=16, pad_to=400, score_batch=8,
                   iterations=2, eval_every=0, out_dir=str(out), seed=3, mesh=MeshConfig(data=2, fsdp=4),
                   track=TrackConfig(progress=False))
+
+
+def exp_config(data: str | Path, out: str | Path) -> ExpSftConfig:
+  """A few M_exp SFT steps (configs/train_exp_twx.py:tiny) over all 8 devices; no held-out side, so no decoding."""
+  cfg = load_config(str(ROOT / "configs" / "train_exp_twx.py") + ":tiny",
+                    [f"trajectories={data}", f"out_dir={out}", "steps=8", "eval_every=0", "held_out_fraction=0",
+                     "max_len=512", "log_every=4"])
+  return dataclasses.replace(cfg, mesh=MeshConfig(data=2, fsdp=4), track=TrackConfig(progress=False))
+
+
+def dreamgym_config(warm_start: str | Path, data: str | Path, exp_model: str | Path, out: str | Path
+                    ) -> DreamGymConfig:
+  """The rl run's policy side inside M_exp: seed tasks and replay seed from the offline data, M_task on."""
+  # Two held-out tasks in one batch of two rows: the real env starts two JVMs, not one per rollout row.
+  rl = dataclasses.replace(dist_config(warm_start, out), eval_tasks=TaskSpec(("coin",), "dev", 0, 2, TWO_ROOMS),
+                           eval_batch=2)
+  return DreamGymConfig(rl=rl, exp_model=str(exp_model), offline_data=(str(data),), reasoning=False,
+                        exp_max_new_tokens=32, exp_prompt_buckets=(480,),
+                        curriculum=CurriculumConfig(capacity=64, generate_every=2, seeds_per_round=2,
+                                                    variants_per_seed=2, max_new_tokens=24, lam=0.5,
+                                                    min_variance=-1.0),
+                        out_dir=str(out))
 
 
 def _writes(root: Path) -> list[tuple[str, str]]:
@@ -80,27 +119,67 @@ def _writes(root: Path) -> list[tuple[str, str]]:
   return seen
 
 
-def main(warm: str, out: str, report: str) -> None:
-  writes = _writes(Path(out).absolute())
+def _final_checkpoint(folder: Path) -> tuple[dict, dict[str, str]]:
+  """(metadata, checksum per array) of a run's last checkpoint, restored onto the layout it was saved with and
+  gathered whole on every process."""
   import jax
   import numpy as np
 
-  from dreamjax.parallel import is_primary, to_host
+  from dreamjax.parallel import to_host
   from dreamjax.train.checkpoint import RunCheckpointer
-  from dreamjax.train.rl_real import run
 
-  summary = run(dist_config(warm, out))
-  # The final checkpoint, restored onto the layout it was saved with and gathered whole on every process.
-  ckpt = RunCheckpointer(Path(out) / "checkpoints")
+  ckpt = RunCheckpointer(folder / "checkpoints")
   arrays, meta = ckpt.restore()
   ckpt.close()
   leaves = jax.tree_util.tree_flatten_with_path(to_host(arrays))[0]
-  checksums = {jax.tree_util.keystr(p): hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest()
-               for p, x in leaves}
+  return meta, {jax.tree_util.keystr(p): hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest()
+                for p, x in leaves}
+
+
+def main(warm: str, data: str, root: str, report: str) -> None:
+  out = Path(root).absolute()
+  writes = _writes(out)
+  import jax
+
+  from dreamjax.parallel import is_primary
+  from dreamjax.train.dreamgym import run as dreamgym
+  from dreamjax.train.exp_sft import run as train_exp
+  from dreamjax.train.rl_real import run as rl
+
+  result = {"train_exp": {"summary": train_exp(exp_config(data, out / "exp"))},
+            "rl": {"summary": rl(dist_config(warm, out / "run"))}}
+  exp_model = result["train_exp"]["summary"]["checkpoint"]
+  result["dreamgym"] = {"summary": dreamgym(dreamgym_config(warm, data, exp_model, out / "dreamgym"))}
+  for name, folder in (("rl", "run"), ("dreamgym", "dreamgym")):
+    result[name]["meta"], result[name]["checksums"] = _final_checkpoint(out / folder)
   Path(report).write_text(json.dumps({
       "process_index": jax.process_index(), "process_count": jax.process_count(), "primary": is_primary(),
-      "devices": len(jax.devices()), "local_devices": len(jax.local_devices()), "summary": summary, "meta": meta,
-      "checksums": checksums, "writes": sorted(set(writes))}, sort_keys=True, default=str))
+      "devices": len(jax.devices()), "local_devices": len(jax.local_devices()), **result,
+      "writes": sorted(set(writes))}, sort_keys=True, default=str))
+
+
+def reference(warm: str, data: str, root: str, dist_root: str, report: str) -> None:
+  """The single-process references of `main`'s three commands (one process, 8 devices, same configs), into
+  ROOT/{exp,run,dreamgym}. Its DreamGym run waits for the cluster's M_exp (DIST_ROOT/exp), so both DreamGym runs use
+  the same experience model; the test kills this process if the cluster fails first."""
+  import time
+
+  from dreamjax.train.dreamgym import run as dreamgym
+  from dreamjax.train.exp_sft import META_FILE
+  from dreamjax.train.exp_sft import run as train_exp
+  from dreamjax.train.rl_real import run as rl
+
+  out = Path(root)
+  result = {"train_exp": train_exp(exp_config(data, out / "exp")), "rl": rl(dist_config(warm, out / "run"))}
+  exp_model = Path(dist_root) / "exp" / "checkpoint"
+  while True:  # process 0 writes exp_model.json last
+    try:
+      json.loads((exp_model / META_FILE).read_text())
+      break
+    except (FileNotFoundError, json.JSONDecodeError):
+      time.sleep(0.5)
+  result["dreamgym"] = dreamgym(dreamgym_config(warm, data, exp_model, out / "dreamgym"))
+  Path(report).write_text(json.dumps(result, sort_keys=True, default=str))
 
 
 def helpers(report: str) -> None:
@@ -145,7 +224,20 @@ def helpers(report: str) -> None:
           "count": np.zeros(3, np.int64)}
   with RunCheckpointer(folder) as ck:
     restored, meta = ck.restore(1, like)
+  # Meshes over the first devices leave process 1 out: refused up front, naming the process.
+  from dreamjax.train.dreamgym import PlacementConfig, make_meshes
+  from dreamjax.train.policy_sft import mesh_of
+
+  refused = []
+  for make in (lambda: make_meshes(RLConfig(mesh=MeshConfig(data=1, fsdp=4), devices=4), PlacementConfig("split")),
+               lambda: mesh_of(MeshConfig(data=1, fsdp=2), 2)):
+    try:
+      make()
+      refused.append("")
+    except ValueError as e:
+      refused.append(str(e))
   Path(report).write_text(json.dumps({
+      "refused": refused,
       "process_index": jax.process_index(), "primary": is_primary(), "addressable": placed.is_fully_addressable,
       "local_shards": len(placed.addressable_shards), "gathered": to_host({"x": doubled})["x"].tolist(),
       "total": float(jax.jit(jax.numpy.sum)(placed)), "mismatch": mismatch,
@@ -157,5 +249,7 @@ def helpers(report: str) -> None:
 if __name__ == "__main__":
   if sys.argv[1] == "helpers":
     helpers(sys.argv[2])
+  elif sys.argv[1] == "reference":
+    reference(*sys.argv[2:7])
   else:
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from dreamjax.envs.base import Task
+from dreamjax.parallel.distributed import to_host
 from dreamjax.sampling import Sampler, sampling_params
 from dreamjax.text import Kind, SegmentBuilder, Tokenizer
 
@@ -216,7 +217,8 @@ def generate_variants(sampler: Sampler, params, tokenizer: Tokenizer, seeds: Seq
 
   Rows are padded to a power-of-two batch (dead rows generate nothing) and prompts to a length bucket, so repeated
   calls compile once per (batch bucket, length bucket). Row i samples with `fold_in(key, i)`: its text does not depend
-  on the batch it was padded into. `counters` (e.g. `TaskPool.variant_counters`) numbers the new ids.
+  on the batch it was padded into. `counters` (e.g. `TaskPool.variant_counters`) numbers the new ids. With several
+  processes this is a collective (the output is gathered on every process): all must call it with the same seeds.
   """
   seeds = [s if isinstance(s, SeedExample) else SeedExample(s) for s in seeds]
   if not seeds:
@@ -232,7 +234,7 @@ def generate_variants(sampler: Sampler, params, tokenizer: Tokenizer, seeds: Seq
   budget = [sampler.max_new_tokens] * len(prompts) + [0] * (batch - len(prompts))
   sp = sampling_params(batch, budget, cfg.temperature, cfg.top_p, cfg.top_k, stop=[[i] for i in tokenizer.eos_ids])
   keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(np.arange(batch))
-  out = jax.device_get(sampler(params, tokens, mask, keys, sp))
+  out = to_host(sampler(params, tokens, mask, keys, sp))  # rows sharded over every process: gathered whole
   stop = set(tokenizer.eos_ids)
   texts = []
   for i in range(len(prompts)):

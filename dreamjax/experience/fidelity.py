@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from dreamjax.parallel.distributed import to_host
 from dreamjax.data.records import TrajectoryRecord, Transition, transitions
 from dreamjax.experience.annotate import Annotation
 from dreamjax.experience.format import ExpPrediction, parse_output, transition_target
@@ -106,7 +107,7 @@ class Predictor:
           tokens[j, width - len(p):], mask[j, width - len(p):] = p, True
         keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(np.asarray(padded, np.uint32))
         sp = sampling_params(self.batch_size, self.max_new_tokens, temperature, stop=self.stop)
-        res = jax.device_get(self.sampler(self.params, tokens, mask, keys, sp))
+        res = to_host(self.sampler(self.params, tokens, mask, keys, sp))  # gathers rows sharded over other processes
         for j, i in enumerate(chunk):
           n = int(res.lengths[j]) - int(bool(res.stopped[j]))  # the stop token is not part of the answer
           out[i] = self.tokenizer.decode(res.tokens[j, :n])

@@ -38,11 +38,18 @@ reproducible from the env's key, and a row's draws do not depend on the other ro
 `info` of a stepped row: reasoning, error ("" when the output parsed), output (the decoded text), generated_tokens,
 stopped (ended by the stop token rather than the budget), retrieved ("episode_id:step" of the transitions shown),
 prompt_tokens, step (steps taken in this episode, this one included), truncated.
+
+Several processes (a multi-host DreamGym run): every process drives its own SyntheticEnv with the same rows, keys and
+retriever contents, the sampler is one SPMD program over the mesh, and its row-sharded output is gathered whole on
+every process (`to_host`, a collective: all processes step at the same points, as the rollout engine makes them).
+`digest()` is a SHA-256 over every stepped row's retrieved transitions and prompt ids since `reset_stats`, so a loop
+can check cheaply (`check_same`) that every process grounded M_exp on the same neighbours.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -55,6 +62,7 @@ from dreamjax.data.records import TrajectoryRecord
 from dreamjax.envs.base import Observation, StepResult, Task
 from dreamjax.experience.format import ExpFormatConfig, ExpPrediction, parse_output, render_user, system_prompt
 from dreamjax.models.config import ModelConfig
+from dreamjax.parallel.distributed import to_host
 from dreamjax.sampling import Sampler, sampling_params
 from dreamjax.text import Kind, SegmentBuilder, Tokenizer
 
@@ -145,6 +153,7 @@ class SyntheticEnv:
     self._call = 0  # step_batch calls in the current batch
     self._sp = None
     self._stats: dict[str, float] = dict.fromkeys(_STAT_KEYS, 0)
+    self._digest = hashlib.sha256()
     self.last_prompts: list[np.ndarray | None] = []  # the ids each row was prompted with in the last step_batch
 
   # --- reset -----------------------------------------------------------------------------------------------------------
@@ -265,7 +274,8 @@ class SyntheticEnv:
         budget[i] = self.max_new_tokens
       keys = _ROW_KEYS(self._batch_key, call, n)
       sp = self._sp.replace(max_new_tokens=jnp.asarray(budget))
-      out = jax.device_get(self.sampler(self.params, tokens, mask, keys, sp))
+      # to_host: with several processes the rows are sharded over all of them, and every process needs every row
+      out = to_host(self.sampler(self.params, tokens, mask, keys, sp))
     t3 = time.perf_counter()
     stats["sample_s"] += t3 - t2
 
@@ -273,6 +283,7 @@ class SyntheticEnv:
       row, action = self._rows[i], actions[i]
       info: dict[str, Any] = {"retrieved": tuple(f"{t.episode_id}:{t.step}" for t in fitted[i][1]),
                               "prompt_tokens": 0 if prompts[i] is None else len(prompts[i])}
+      self._digest.update((f"{i}:" + ",".join(info["retrieved"]) + "\n").encode())
       if prompts[i] is None:
         stats["overflows"] += 1
         text, generated, stopped = "", 0, False
@@ -280,6 +291,7 @@ class SyntheticEnv:
                                      f"even without history and retrieved examples")
       else:
         self.last_prompts[i] = prompts[i]
+        self._digest.update(np.ascontiguousarray(prompts[i], np.int32).tobytes())
         generated, stopped = int(out.lengths[i]), bool(out.stopped[i])
         ids = np.asarray(out.tokens[i, :generated])
         text = self.tokenizer.decode(ids[:-1] if stopped else ids)
@@ -311,6 +323,12 @@ class SyntheticEnv:
 
   def reset_stats(self) -> None:
     self._stats = dict.fromkeys(_STAT_KEYS, 0)
+    self._digest = hashlib.sha256()
+
+  def digest(self) -> np.ndarray:
+    """uint8 [32]: SHA-256 of every stepped row's retrieved transitions ("episode_id:step") and prompt ids, in step
+    order, since construction or `reset_stats`."""
+    return np.frombuffer(self._digest.copy().digest(), np.uint8)
 
   def close(self) -> None:
     """Nothing to release: the retriever and the parameters belong to the caller."""

@@ -136,7 +136,7 @@ def load_hf_checkpoint(
   files = _tensor_files(folder)
   boxed = abstract_params(cfg)
   if mesh is None:
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    mesh = jax.sharding.Mesh(np.asarray(jax.local_devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
   shardings = tree_shardings(boxed, mesh, rules)
   shapes = nn.unbox(boxed)
   maps = _maps(cfg)

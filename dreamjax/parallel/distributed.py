@@ -285,3 +285,14 @@ def to_host(tree: Any) -> Any:
       leaves[i] = x.addressable_data(0)
   return jax.tree.unflatten(treedef, [np.asarray(x) if isinstance(x, jax.Array) else x
                                       for x in jax.device_get(leaves)])
+
+
+def spans_every_process(mesh: jax.sharding.Mesh, what: str) -> jax.sharding.Mesh:
+  """`mesh`, checked to hold devices of every process: a process with none could not take part in gathering its
+  outputs (`to_host`), so a multi-process run would fail later with an unclear error."""
+  missing = sorted(set(range(jax.process_count())) - {d.process_index for d in mesh.devices.flat})
+  if missing:
+    raise ValueError(f"{what}: the mesh's {mesh.devices.size} devices include none of processes {missing}; in a "
+                     f"multi-process run the mesh must span every process (jax.devices() lists process 0's devices "
+                     f"first, so taking the first devices cuts whole processes off)")
+  return mesh

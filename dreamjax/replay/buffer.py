@@ -22,7 +22,12 @@ One writer, many readers. Exactly one process appends (the RL trainer); a second
 flock, which the kernel releases when the writer dies. Any number of processes may open the folder with
 `read_only=True` while the writer appends: committed bytes are never rewritten, and the manifest is replaced
 atomically, so a reader always sees a consistent committed prefix; `refresh()` re-reads the manifest and indexes the
-lines committed since. Objects are not thread-safe.
+lines committed since. A multi-process DreamGym run works this way: process 0 writes, and the other processes (other
+hosts, with the run folder on a shared filesystem) refresh their read-only view after a barrier that follows each
+append. A refresh that finds a segment shorter than committed reopens it once before it fails, since a descriptor
+opened before the append may report a stale size on network filesystems. `truncate` (a resumed run rewinding the
+buffer) invalidates readers' views (a later `refresh` is an error): readers open the folder after it. Objects are not
+thread-safe.
 
 Random access. Ids are consecutive integers in commit order. The buffer keeps, per segment, an array of line start
 offsets (8 bytes per transition, rebuilt on open by scanning the committed bytes for newlines: no JSON parsing), and
@@ -297,6 +302,13 @@ class ReplayBuffer:
       return
     fd = self._read_fd(seg)
     size = os.fstat(fd).st_size
+    if size < nbytes and self.read_only:
+      # A reader on a shared filesystem (NFS and the like) may see a stale size through a descriptor opened before
+      # the writer's last append; a fresh open revalidates it (close-to-open consistency).
+      os.close(fd)
+      seg.fd = -1
+      fd = self._read_fd(seg)
+      size = os.fstat(fd).st_size
     if size < nbytes or nbytes < seg.nbytes:
       raise ValueError(f"{seg.path}: holds {size} bytes but the manifest commits {nbytes}: committed data was lost "
                        "or rewritten outside this buffer")

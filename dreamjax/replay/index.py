@@ -111,7 +111,7 @@ class ExactIndex:
     if block < 1 or block & (block - 1):
       raise ValueError(f"ExactIndex: block must be a power of two (capacities are), got {block}")
     self.dim, self.block, self.precision = dim, block, precision
-    self._device = device or jax.devices()[0]
+    self._device = device or jax.local_devices()[0]
     self._store = jax.device_put(jnp.zeros((_pow2(capacity), dim), dtype), self._device)
     self._size = 0
 

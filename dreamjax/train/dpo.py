@@ -19,6 +19,10 @@ step compiles once. Pairs are shuffled per epoch by `(seed, epoch)`.
 Tracking as in policy SFT (`dreamjax.track.Tracker`, `track`): config.json, a fresh metrics.jsonl per run,
 summary.json, W&B when `track.wandb` asks for it, and a progress bar over the update steps.
 
+Several processes (multi-host): as policy SFT (its docstring): `initialize(cfg.distributed)` first, the same program
+on every process (the reference scorer's and the sampler's row-sharded outputs are gathered whole), process 0 alone
+writes the run folder, the final checkpoint after a gather every process takes part in.
+
 Run: `dreamjax dpo --config configs/dpo_twx.py[:variant] [--set key=value ...]`.
 """
 
@@ -34,7 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dreamjax.parallel import TRAIN_RULES, MeshConfig
+from dreamjax.parallel import TRAIN_RULES, DistributedConfig, MeshConfig, initialize
 from dreamjax.rl.batch import TokenBatch, dpo_batch
 from dreamjax.rl.logprobs import LogpScorer
 from dreamjax.rl.objectives import make_objective
@@ -53,9 +57,10 @@ from dreamjax.train.policy_sft import (
     format_eval,
     mesh_of,
     read_records,
+    save_final,
     training_tasks,
 )
-from dreamjax.train.run import load_model, save_model, to_json
+from dreamjax.train.run import load_model, to_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +91,7 @@ class DpoConfig:
   out_dir: str = "runs/dpo/twx"
   seed: int = 0
   track: TrackConfig = TrackConfig()
+  distributed: DistributedConfig = DistributedConfig()  # multi-process runs; single-process by default
 
   def __post_init__(self):
     check_loop_settings(self, ("pairs_per_step", "micro_batches", "epochs", "score_batch", "log_every"),
@@ -142,6 +148,7 @@ def with_reference(batch: TokenBatch, ref: dict[bytes, np.ndarray]) -> TokenBatc
 
 def run(cfg: DpoConfig, env=None) -> dict[str, Any]:
   """Trains DPO from the SFT checkpoint, evaluates, saves; returns the summary (also out_dir/summary.json)."""
+  initialize(cfg.distributed)  # before anything touches devices: after it, jax.devices() spans every process
   t_start = time.perf_counter()
   if not cfg.checkpoint or not (Path(cfg.checkpoint) / "config.json").is_file():
     raise ValueError(f"checkpoint: {cfg.checkpoint!r} is not an HF checkpoint folder (train one with policy SFT)")
@@ -209,7 +216,7 @@ def _train(cfg: DpoConfig, env, out: Path, tracker: Tracker, t_start: float) -> 
     evals.append(evaluate_and_log(evaluator, state.params, key, step, tracker))
   finally:
     evaluator.close()
-  checkpoint = save_model(state.params, model_cfg, cfg.checkpoint, out / "checkpoint")
+  checkpoint = save_final(state.params, model_cfg, cfg.checkpoint, out / "checkpoint")
   first, last = history[0], history[-1]
   summary = {
       "checkpoint": str(checkpoint), "reference": cfg.checkpoint, "pairs": pair_stats, "steps": step,

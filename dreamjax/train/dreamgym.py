@@ -29,6 +29,21 @@ curriculum state and task pool, the M_task counters and the replay buffer's posi
 buffer to its checkpoint, rebuilds the retrieval index in the chunks it was built in, and draws what the
 uninterrupted run would have drawn. Rerun the same command to resume.
 
+Several processes (multi-host), as the real-env loop (rl_real's docstring): `run` first calls
+`dreamjax.parallel.initialize(rl.distributed)`, and every process then runs this same host program on the same seeds:
+the curriculum draw, the rollouts against its own SyntheticEnv (policy and M_exp sampling are SPMD programs over the
+whole mesh, their row-sharded outputs gathered whole with `to_host`), the update, M_task's generation. The replay
+buffer has one writer, process 0: it seeds it and appends each iteration's write-back; after a barrier the other
+processes refresh a read-only view of the same folder, and every process adds the new transitions to its own
+retrieval index from the buffer, so all indexes hold the same transitions and return the same neighbours.
+`check_same` compares, once per iteration, the drawn task slots, a digest of every M_exp step's retrieved
+transitions and prompt (`SyntheticEnv.digest`) and the buffer's length (besides the learner's rollout check), and at
+start the replay marks. Process 0 alone writes the run folder's files (config, metrics, evals, summary, plots,
+task_pool.json, final/ after a gather of the parameters); orbax checkpoints are saved by every process (the curriculum
+state, process-local on each, is written from process 0's copy). `out_dir` must be a filesystem every process sees.
+Each mesh (the policy's and M_exp's) must hold devices of every process: with several processes use the colocated
+placement over all devices.
+
 Seed tasks are the offline data's tasks (their first recorded state starts the synthetic episode); none may be a
 held-out evaluation task. Outputs in `out_dir`: those of the real-env loop (config.json, metrics.jsonl, evals.jsonl,
 summary.json, learning_curve.svg, final/) plus replay/ (the buffer with the offline seed and the written-back
@@ -58,7 +73,17 @@ from dreamjax.envs.base import Task
 from dreamjax.experience.format import ExpFormatConfig
 from dreamjax.experience.sft_data import annotations_for
 from dreamjax.experience.synthetic_env import SyntheticEnv, initial_states_from
-from dreamjax.parallel import SAMPLE_RULES, MeshConfig, make_mesh
+from dreamjax.parallel import (
+    SAMPLE_RULES,
+    MeshConfig,
+    barrier,
+    check_same,
+    initialize,
+    is_primary,
+    make_mesh,
+    spans_every_process,
+    to_host,
+)
 from dreamjax.replay.buffer import ReplayBuffer
 from dreamjax.replay.transition import from_trajectories
 from dreamjax.rollout.trajectory import Trajectories
@@ -130,7 +155,8 @@ def make_meshes(rl: RLConfig, placement: PlacementConfig) -> tuple[jax.sharding.
   """(the policy's mesh, M_exp's mesh): the same mesh when colocated, disjoint device sets when split."""
   devices = jax.devices()
   if placement.mode == "colocated":
-    mesh = make_mesh(rl.mesh, devices[:rl.devices] if rl.devices else None)
+    mesh = spans_every_process(make_mesh(rl.mesh, devices[:rl.devices] if rl.devices else None),
+                               f"DreamGymConfig: the policy's mesh (rl.devices={rl.devices})")
     return mesh, mesh
   if not rl.devices or rl.devices >= len(devices):
     raise ValueError(f"PlacementConfig.mode=split: rl.devices must leave devices for M_exp (rl.devices="
@@ -139,8 +165,11 @@ def make_meshes(rl: RLConfig, placement: PlacementConfig) -> tuple[jax.sharding.
   if placement.exp_devices > len(rest):
     raise ValueError(f"PlacementConfig.exp_devices={placement.exp_devices}: only {len(rest)} devices are left after "
                      f"the policy's {rl.devices}")
-  return (make_mesh(rl.mesh, devices[:rl.devices]),
-          make_mesh(placement.exp_mesh, rest[:placement.exp_devices] if placement.exp_devices else rest))
+  # Split placement cuts jax.devices() in two, so with several processes one side lacks some process's devices.
+  return (spans_every_process(make_mesh(rl.mesh, devices[:rl.devices]),
+                              f"DreamGymConfig: the policy's mesh (rl.devices={rl.devices}, placement split)"),
+          spans_every_process(make_mesh(placement.exp_mesh, rest[:placement.exp_devices] if placement.exp_devices
+                                        else rest), "DreamGymConfig: M_exp's mesh (placement split)"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +322,28 @@ class Curriculum:
     return (ex.initial_state if ex else ""), ()
 
 
+def open_replay(folder: Path, records: list[TrajectoryRecord], marks: list[int] | None, retrieve: bool
+                ) -> tuple[ReplayBuffer, list[int]]:
+  """The run's replay buffer and its marks (`marks` None: a fresh run, whose first mark is the end of the offline
+  seed, or 0 when M_exp retrieves nothing). Process 0 is the one writer: it seeds the buffer and rewinds it to the
+  last mark (dropping what iterations after the checkpoint wrote); the other processes open it read-only once that is
+  committed, so every process reads the same transitions."""
+  buffer = None
+  if is_primary():
+    buffer = ReplayBuffer(folder)
+    if marks is None:
+      marks = [buffer.seed(records, tag="offline").stop if retrieve else 0]
+    buffer.truncate(marks[-1])
+  barrier("dreamgym.replay_open")
+  if buffer is None:
+    buffer = ReplayBuffer(folder, read_only=True)
+    if marks is None:
+      seed = buffer.stats().seeds.get("offline")
+      marks = [seed.stop if retrieve and seed is not None else 0]
+  check_same("the replay buffer's marks and length", np.asarray([*marks, len(buffer)], np.int64))
+  return buffer, marks
+
+
 def rebuild_retriever(retriever, buffer: ReplayBuffer, marks: list[int]) -> None:
   """Adds the buffer's transitions to a fresh retriever in the chunks they were first added in (the offline seed,
   then one write-back per iteration), so a resumed run's index answers exactly as the uninterrupted run's did."""
@@ -306,6 +357,7 @@ def rebuild_retriever(retriever, buffer: ReplayBuffer, marks: list[int]) -> None
 def run(cfg: DreamGymConfig) -> dict[str, Any]:
   """The `dreamjax dreamgym` command: trains in the experience model (resuming from the latest checkpoint in
   `out_dir` when there is one), evaluates on the real env, writes the run folder; returns the summary."""
+  initialize(cfg.rl.distributed)  # before anything touches devices: after it, jax.devices() spans every process
   rl = dataclasses.replace(cfg.rl, out_dir=cfg.out_dir)
   out = Path(cfg.out_dir)
   mesh, exp_mesh = make_meshes(rl, cfg.placement)
@@ -316,15 +368,13 @@ def run(cfg: DreamGymConfig) -> dict[str, Any]:
   ckpt, resume = open_checkpoints(rl, out)
   state: dict[str, Any] = ckpt.meta(resume) if resume is not None else {}
 
-  out.mkdir(parents=True, exist_ok=True)
-  buffer = ReplayBuffer(out / "replay")
+  if is_primary():  # the one writer of the run folder
+    out.mkdir(parents=True, exist_ok=True)
   # Buffer positions after the offline seed and after each iteration's write-back. Whatever lies past the last one
   # (episodes of iterations after the checkpoint, or of a run killed before its first) is written again when redone.
-  marks: list[int] = list(state.get("replay_marks", []))
-  retrieve = fmt.retrieval and fmt.k
-  if resume is None:
-    marks = [buffer.seed(records, tag="offline").stop if retrieve else 0]
-  buffer.truncate(marks[-1])
+  retrieve = bool(fmt.retrieval and fmt.k)
+  buffer, marks = open_replay(out / "replay", records, list(state["replay_marks"]) if resume is not None else None,
+                              retrieve)
   retriever = None
   if retrieve:
     retriever = make_retriever(meta["retrieval_encoder"], meta["encoder_folder"])
@@ -412,11 +462,16 @@ def run(cfg: DreamGymConfig) -> dict[str, Any]:
         unparsed = unparsed_rows(traj, tok)
         synthetic_transitions += int((~unparsed).sum())
         if cfg.replay:
-          back = write_back_transitions(traj, unparsed, it)
-          buffer.append(back)
-          if retriever is not None:
-            retriever.add(back)
+          if is_primary():  # the one writer; the others read what it committed
+            buffer.append(write_back_transitions(traj, unparsed, it))
+          barrier("dreamgym.write_back")
+          buffer.refresh()  # a no-op for the writer
         marks.append(len(buffer))
+        if retriever is not None:  # from the buffer on every process, so every index holds the same transitions
+          retriever.add(list(buffer.iter_from(marks[-2], marks[-1])))
+        # Every process must have drawn the same tasks and grounded M_exp on the same neighbours.
+        check_same(f"the curriculum draw, M_exp's retrievals and the replay buffer of iteration {it + 1}",
+                   slots, synthetic.digest(), np.asarray([len(buffer)], np.int64))
         returns = episode_returns(traj, rl.invalid_penalty)
         metrics.pop("real_transitions", None)
         metrics.update(curriculum.update(traj, returns, slots, it))
@@ -436,8 +491,9 @@ def run(cfg: DreamGymConfig) -> dict[str, Any]:
           do_eval(it + 1)
         if (rl.checkpoint_every and (it + 1) % rl.checkpoint_every == 0) or it + 1 == rl.iterations:
           checkpoint(it + 1)
-    save_model(learner.params, model_cfg, folder, out / "final")
+    final_params = to_host(learner.params)  # a collective: every process gathers, one writes
     if tracker.primary:
+      save_model(final_params, model_cfg, folder, out / "final")
       curriculum.pool.save(out / "task_pool.json")
     summary = {"algorithm": rl.algorithm, "iterations": rl.iterations, "real_transitions": 0,
                "synthetic_transitions": synthetic_transitions, "initial": evals[0], "final": evals[-1],

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from dreamjax.parallel import MeshConfig, make_mesh
+from dreamjax.parallel import MeshConfig, make_mesh, spans_every_process
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
 from dreamjax.train.evaluate import evaluate, greedy_rollout
@@ -53,7 +53,8 @@ def run(cfg: EvalRunConfig) -> dict[str, Any]:
     raise ValueError(f"EvalRunConfig.checkpoint: {cfg.checkpoint!r} is not an HF checkpoint folder")
   if cfg.batch < 1:
     raise ValueError(f"EvalRunConfig.batch must be >= 1, got {cfg.batch}")
-  mesh = make_mesh(cfg.mesh, jax.devices()[:cfg.devices] if cfg.devices else None)
+  mesh = spans_every_process(make_mesh(cfg.mesh, jax.devices()[:cfg.devices] if cfg.devices else None),
+                             "EvalRunConfig.mesh, devices")
   model_cfg, params, tok = load_model(cfg.checkpoint, mesh=mesh)
   tasks = cfg.tasks.tasks(cfg.env)
   greedy = RolloutEngine(model_cfg, tok, cfg.agent, greedy_rollout(cfg.rollout), mesh=mesh)

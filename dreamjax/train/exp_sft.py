@@ -23,6 +23,12 @@ held-out fidelity goes into summary.json.
 Tracking (`dreamjax.track.Tracker`, `track`): config.json, metrics.jsonl (fresh on every run), summary.json, and W&B
 when `track.wandb` is "online" or "offline"; a progress bar over the steps when stderr is a terminal.
 
+Several processes (multi-host): as policy SFT (its docstring): `initialize(cfg.distributed)` first, the same program
+on every process (retrieval indexes are built per process from the same data; the scorer's and the decoder's
+row-sharded outputs are gathered whole), process 0 alone writes the run folder (config, metrics, summary, held-out
+predictions, the tiny init model, which the others load after a barrier, and the checkpoint with exp_model.json,
+after a gather every process takes part in).
+
 Run: dreamjax train-exp --config configs/train_exp_twx.py[:variant] [--set key=value ...]
 """
 
@@ -51,8 +57,18 @@ from dreamjax.experience.sft_data import (
     corpus,
     split_by_task,
 )
-from dreamjax.parallel import MeshConfig, make_mesh
+from dreamjax.models import load_hf_checkpoint
+from dreamjax.parallel import (
+    DistributedConfig,
+    MeshConfig,
+    barrier,
+    initialize,
+    is_primary,
+    make_mesh,
+    spans_every_process,
+)
 from dreamjax.replay.encoder import BackbonePooledEncoder, make_encoder
+from dreamjax.replay.index import make_index
 from dreamjax.replay.retriever import Retriever
 from dreamjax.rl.batch import sft_batch
 from dreamjax.rl.logprobs import LogpScorer
@@ -60,8 +76,10 @@ from dreamjax.rl.objectives import make_objective
 from dreamjax.rl.optim import OptimConfig, make_optimizer
 from dreamjax.rl.train_state import create_train_state
 from dreamjax.rl.update import make_train_step
+from dreamjax.text import load_tokenizer
 from dreamjax.track import Tracker, TrackConfig, echo, progress
-from dreamjax.train.run import ModelSource, build_tiny_checkpoint, load_model, save_model, to_json
+from dreamjax.train.policy_sft import save_final
+from dreamjax.train.run import ModelSource, build_tiny_checkpoint, load_model, to_json
 
 META_FILE = "exp_model.json"
 ENCODERS = ("minilm", "backbone")
@@ -93,6 +111,7 @@ class ExpSftConfig:
   seed: int = 0
   mesh: MeshConfig = MeshConfig()  # all sizes positive: the first prod(sizes) devices; one -1: all devices
   track: TrackConfig = TrackConfig()
+  distributed: DistributedConfig = DistributedConfig()  # multi-process runs; single-process by default
 
   def __post_init__(self):
     if self.retrieval_exclude not in EXCLUDE:
@@ -109,7 +128,7 @@ class ExpSftConfig:
 def mesh_of(cfg: MeshConfig) -> jax.sharding.Mesh:
   sizes = [cfg.data, cfg.fsdp, cfg.tensor]
   devices = jax.devices() if -1 in sizes else jax.devices()[: math.prod(sizes)]
-  return make_mesh(cfg, devices)
+  return spans_every_process(make_mesh(cfg, devices), "ExpSftConfig.mesh")
 
 
 def length_buckets(max_len: int) -> tuple[int, ...]:
@@ -145,9 +164,19 @@ def load_annotation_files(paths: tuple[str, ...]) -> dict[str, Annotation] | Non
 
 
 def make_retriever(name: str, encoder_folder: str | Path) -> Retriever:
-  """A fresh retriever with the run's phi: MiniLM, or the pooled backbone of the checkpoint in `encoder_folder`."""
-  encoder = make_encoder("minilm") if name == "minilm" else BackbonePooledEncoder.from_folder(encoder_folder)
-  return Retriever(encoder)
+  """A fresh retriever with the run's phi: MiniLM, or the pooled backbone of the checkpoint in `encoder_folder`.
+
+  Encoder and exact index run on this process's first device: with several processes each one encodes and searches
+  the same transitions itself, so nothing crosses processes. (Left to their defaults, `load_hf_checkpoint` and
+  `ExactIndex` would use the first device of the whole cluster, which other processes cannot address.)"""
+  device = jax.local_devices()[0]
+  if name == "minilm":
+    encoder = make_encoder("minilm")
+  else:
+    local = jax.sharding.Mesh(np.asarray([device]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
+    cfg, params = load_hf_checkpoint(encoder_folder, mesh=local)
+    encoder = BackbonePooledEncoder(cfg, params, load_tokenizer(encoder_folder))
+  return Retriever(encoder, make_index("auto", encoder.dim, exact_kw={"device": device}))
 
 
 def decode_budget(examples: list[ExpExample], max_len: int) -> int:
@@ -179,9 +208,9 @@ def _evaluate(predictor: Predictor, scorer: LogpScorer, params: Any, held: list[
 
 def run(cfg: ExpSftConfig) -> dict[str, Any]:
   """Trains M_exp; returns the summary (also written to out_dir/summary.json)."""
+  initialize(cfg.distributed)  # before anything touches devices: after it, jax.devices() spans every process
   t0 = time.perf_counter()
-  out = Path(cfg.out_dir)
-  out.mkdir(parents=True, exist_ok=True)  # every process builds the tiny model here; the tracker writes on one
+  out = Path(cfg.out_dir)  # the tracker creates it (on process 0, the one writer)
   with Tracker(out, to_json(cfg), cfg.track) as tracker:
     return _train(cfg, out, tracker, t0)
 
@@ -194,10 +223,12 @@ def _train(cfg: ExpSftConfig, out: Path, tracker: Tracker, t0: float) -> dict[st
     init_folder = Path(cfg.model.checkpoint)
   else:
     init_folder = out / "init"
-    if not (init_folder / "config.json").is_file():
+    # Process 0 alone decides and writes; every process meets the barrier, then loads the folder.
+    if is_primary() and not (init_folder / "config.json").is_file():
       tiny = cfg.model.tiny.replace(max_position_embeddings=max(cfg.model.tiny.max_position_embeddings, cfg.max_len))
       build_tiny_checkpoint(dataclasses.replace(cfg.model, tiny=tiny), corpus(train_records, notes, cfg.format),
                             init_folder, cfg.seed)
+    barrier("exp_sft.init_model")
   mesh = mesh_of(cfg.mesh)
   model_cfg, params, tokenizer = load_model(init_folder, value_head=False, mesh=mesh, seed=cfg.seed)
   retriever = make_retriever(cfg.retrieval_encoder, init_folder) if cfg.format.retrieval and cfg.format.k else None
@@ -245,10 +276,11 @@ def _train(cfg: ExpSftConfig, out: Path, tracker: Tracker, t0: float) -> dict[st
         history.append(tracker.log(step, row))
         echo(f"step {step}/{total}: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(row.items())
                                                    if isinstance(v, float) and k in _SHOWN))
-  checkpoint = save_model(state.params, model_cfg, init_folder, out / "checkpoint")
+  checkpoint = save_final(state.params, model_cfg, init_folder, out / "checkpoint")
   meta = {"format": to_json(cfg.format), "max_len": cfg.max_len, "max_new_tokens": max_new,
           "retrieval_encoder": cfg.retrieval_encoder, "encoder_folder": str(init_folder), "env": records[0].env}
-  (checkpoint / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+  if tracker.primary:
+    (checkpoint / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
   final: dict[str, Any] = {}
   if data.held_out:
     predictor.set_params(state.params)
@@ -256,9 +288,10 @@ def _train(cfg: ExpSftConfig, out: Path, tracker: Tracker, t0: float) -> dict[st
     final = {"model": res["model"], "copy": res["copy"]}
     tracker.log(total, {f"final_held_out_{k}": v for k, v in res["model"].items() if isinstance(v, int | float)}
                 | {f"final_held_out_copy_{k}": v for k, v in res["copy"].items() if isinstance(v, int | float)})
-    with open(out / "held_out_predictions.jsonl", "w", encoding="utf-8") as f:
-      for r in res["rows"]:
-        f.write(json.dumps(r, sort_keys=True) + "\n")
+    if tracker.primary:
+      with open(out / "held_out_predictions.jsonl", "w", encoding="utf-8") as f:
+        for r in res["rows"]:
+          f.write(json.dumps(r, sort_keys=True) + "\n")
   summary = {
       "checkpoint": str(checkpoint), "steps": total, "examples": len(data.train), "held_out": len(data.held_out),
       "data": data.stats, "held_out_episodes": sorted(r.episode_id for r in data.held_out_records),

@@ -22,6 +22,13 @@ the env's own held-out fold (`eval.split`), so none of them is in the demonstrat
 
 A tiny model is built in out_dir/init_model on the first run and reused by reruns in the same folder.
 
+Several processes (multi-host), as `dreamjax rl` (see rl_real's docstring): `run` first calls
+`dreamjax.parallel.initialize(cfg.distributed)`, every process runs the same program on the same data and seeds (each
+evaluates on its own copy of the env; the sampler's rows are gathered whole), and process 0 alone writes the run
+folder: config, metrics, summary, the tiny init model (the others load it after a barrier) and the final checkpoint
+(after a gather of the parameters every process takes part in). The mesh must hold devices of every process, and
+`out_dir` must be a filesystem every process sees.
+
 Run: `dreamjax train-policy --config configs/train_policy_twx.py[:variant] [--set key=value ...]`.
 """
 
@@ -42,7 +49,17 @@ from dreamjax.data.records import TrajectoryRecord, read_trajectories
 from dreamjax.envs.base import BatchEnv, SerialBatchEnv, Task
 from dreamjax.envs.registry import make_env
 from dreamjax.models import ModelConfig
-from dreamjax.parallel import TRAIN_RULES, MeshConfig, make_mesh
+from dreamjax.parallel import (
+    TRAIN_RULES,
+    DistributedConfig,
+    MeshConfig,
+    barrier,
+    initialize,
+    is_primary,
+    make_mesh,
+    spans_every_process,
+    to_host,
+)
 from dreamjax.rl.batch import sft_batch
 from dreamjax.rl.objectives import make_objective
 from dreamjax.rl.optim import OptimConfig, make_optimizer
@@ -103,6 +120,7 @@ class PolicySftConfig:
   out_dir: str = "runs/policy_sft/twx"
   seed: int = 0
   track: TrackConfig = TrackConfig()
+  distributed: DistributedConfig = DistributedConfig()  # multi-process runs; single-process by default
 
   def __post_init__(self):
     check_loop_settings(self, ("batch_size", "micro_batches", "epochs", "log_every"), ("max_steps", "pad_to", "devices"))
@@ -122,7 +140,7 @@ def check_loop_settings(cfg: Any, positive: Sequence[str], non_negative: Sequenc
 def mesh_of(cfg: MeshConfig, devices: int) -> jax.sharding.Mesh:
   if devices < 0:
     raise ValueError(f"devices must be >= 0, got {devices}")
-  return make_mesh(cfg, jax.devices()[:devices] if devices else None)
+  return spans_every_process(make_mesh(cfg, jax.devices()[:devices] if devices else None), "mesh, devices")
 
 
 def read_records(paths: Sequence[str]) -> list[TrajectoryRecord]:
@@ -141,8 +159,11 @@ def prepare_model(source: ModelSource, records: Sequence[TrajectoryRecord], fmt:
   """(config, params, tokenizer, folder): the given checkpoint, or a tiny one built in out/init_model on the run's
   own text (system prompt, every turn's user message and answer)."""
   folder = Path(source.checkpoint) if source.checkpoint else out / "init_model"
-  if not source.checkpoint and not (folder / "config.json").is_file():
-    build_tiny_checkpoint(source, policy_texts(records, fmt, think), folder, seed)
+  if not source.checkpoint:
+    # Process 0 alone decides and writes; every process meets the barrier, then loads the folder.
+    if is_primary() and not (folder / "config.json").is_file():
+      build_tiny_checkpoint(source, policy_texts(records, fmt, think), folder, seed)
+    barrier("policy_sft.init_model")
   cfg, params, tokenizer = load_model(folder, value_head=source.value_head, mesh=mesh, rules=TRAIN_RULES, seed=seed)
   return cfg, params, tokenizer, folder
 
@@ -217,9 +238,9 @@ def padded_length(rows: Sequence[TurnRow], pad_to: int) -> int:
 def run(cfg: PolicySftConfig, env: BatchEnv | None = None) -> dict[str, Any]:
   """Trains, evaluates and saves; returns the summary (also written to out_dir/summary.json). `env` (not closed
   here) replaces the evaluation env built from the config."""
+  initialize(cfg.distributed)  # before anything touches devices: after it, jax.devices() spans every process
   t_start = time.perf_counter()
-  out = Path(cfg.out_dir)
-  out.mkdir(parents=True, exist_ok=True)  # every process builds the tiny model here; the tracker writes on one
+  out = Path(cfg.out_dir)  # the tracker creates it (on process 0, the one writer)
   with Tracker(out, to_json(cfg), cfg.track) as tracker:
     return _train(cfg, env, out, tracker, t_start)
 
@@ -273,7 +294,7 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, out: Path, tracker: Track
     evals.append(evaluate_and_log(evaluator, state.params, key, step, tracker))
   finally:
     evaluator.close()
-  checkpoint = save_model(state.params, model_cfg, model_dir, out / "checkpoint")
+  checkpoint = save_final(state.params, model_cfg, model_dir, out / "checkpoint")
   summary = {
       "checkpoint": str(checkpoint), "init_model": str(model_dir), "rows": row_stats, "steps": step,
       "epochs": round(step / steps_per_epoch, 3), "row_length": length, "compilations": step_fn.compilations(),
@@ -283,6 +304,14 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, out: Path, tracker: Track
   tracker.summary(summary)
   echo(format_summary(summary))
   return summary
+
+
+def save_final(params, model_cfg: ModelConfig, tokenizer_folder: str | Path, folder: Path) -> Path:
+  """Saves the trained model as an HF folder: gathered on every process (a collective), written by process 0."""
+  params = to_host(params)
+  if is_primary():
+    save_model(params, model_cfg, tokenizer_folder, folder)
+  return folder
 
 
 def evaluate_and_log(evaluator: Evaluator, params, key: jax.Array, step: int, tracker: Tracker) -> dict[str, Any]:

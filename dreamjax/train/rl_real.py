@@ -82,6 +82,7 @@ from dreamjax.parallel import (
     initialize,
     is_primary,
     make_mesh,
+    spans_every_process,
     to_host,
 )
 from dreamjax.rl.batch import TokenBatch, rl_batch
@@ -456,7 +457,7 @@ def run(cfg: RLConfig, env: BatchEnv | None = None) -> dict[str, Any]:
   initialize(cfg.distributed)  # before anything touches devices: after it, jax.devices() spans every process
   out = Path(cfg.out_dir)
   devices = jax.devices()[:cfg.devices] if cfg.devices else None
-  mesh = make_mesh(cfg.mesh, devices)
+  mesh = spans_every_process(make_mesh(cfg.mesh, devices), "RLConfig.mesh, devices")
   train_pool, eval_pool = cfg.train_tasks.tasks(cfg.env), cfg.eval_tasks.tasks(cfg.env)
   shared = {t.task_id for t in train_pool} & {t.task_id for t in eval_pool}
   if shared:
