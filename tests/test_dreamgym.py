@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -27,7 +28,9 @@ from dreamjax.rl.objectives import PolicyGradientConfig
 from dreamjax.rl.optim import OptimConfig
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
-from dreamjax.train.dreamgym import CurriculumConfig, DreamGymConfig, PlacementConfig, make_meshes, run
+from dreamjax.parallel import MeshConfig, make_mesh
+from dreamjax.train.dreamgym import (CurriculumConfig, DreamGymConfig, PlacementConfig, load_exp_model, make_meshes,
+                                     run)
 from dreamjax.train.exp_sft import run as train_exp
 from dreamjax.train.rl_real import RLConfig, TaskSpec
 from dreamjax.train.run import ModelSource, read_metrics
@@ -200,3 +203,13 @@ def test_bad_settings_are_clear_errors(parts, tmp_path):
     CurriculumConfig(lam=1.5)
   cfg = load_config("configs/dreamgym_twx.py:tiny", ["curriculum.lam=0.5", "rl.iterations=3"])
   assert cfg.curriculum.lam == 0.5 and cfg.rl.iterations == 3 and not cfg.reasoning
+
+
+def test_m_exp_may_load_in_bfloat16(parts, tmp_path):
+  """exp_dtype: the frozen M_exp holds bfloat16 weights and computes in bfloat16 (half its memory)."""
+  cfg = _config(parts, tmp_path, exp_dtype="bfloat16")
+  model_cfg, params, *_ = load_exp_model(cfg, make_mesh(MeshConfig(), jax.devices()[:1]))
+  assert (model_cfg.dtype, model_cfg.param_dtype) == ("bfloat16", "bfloat16")
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("bfloat16")}
+  with pytest.raises(ValueError, match="exp_dtype must be"):
+    _config(parts, tmp_path, exp_dtype="float16")

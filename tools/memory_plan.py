@@ -76,7 +76,8 @@ def build_plan(argv: Sequence[str] | None = None) -> tuple[MemoryPlan, float | N
                           **rl.model.overrides())
   models = {"policy": policy}
   if isinstance(cfg, DreamGymConfig):
-    models["exp"] = resolve_arch("exp", arch.get("exp"), cfg.exp_model, None, "exp_model")
+    models["exp"] = resolve_arch("exp", arch.get("exp"), cfg.exp_model, None, "exp_model").replace(
+        dtype=cfg.exp_dtype, param_dtype=cfg.exp_dtype)
   for role, m in models.items():
     changes = {}
     if args.dtype:

@@ -25,6 +25,7 @@ blocks of 512 queries (ModelConfig.attention_chunk), so float32 scores stay [row
 M_exp's prefill of 128 rows at 3072-token prompts is still the largest temporary, and the 32 chips leave room for it
 beside both models' weights; the update runs one row per device per micro-batch. The policy computes in bfloat16
 (model.dtype) over float32 weights, which AdamW needs: its steps of lr ~1e-6 would round away in bfloat16 weights.
+M_exp, frozen, holds bfloat16 weights (exp_dtype).
 
 Memory per device (estimates; dreamjax/parallel/memory.py says what each line counts), recomputed by
 tests/test_memory.py from this command:
@@ -34,28 +35,28 @@ tests/test_memory.py from this command:
   configs/scale/dreamgym_llama3b_tpu.py (DreamGymConfig)
   mesh data=1 fsdp=4 tensor=8 (32 devices)
   policy: 3.213B params, float32 weights, bfloat16 compute, remat none
-  M_exp: 8.030B params, float32 weights, float32 compute, remat none
+  M_exp: 8.030B params, bfloat16 weights, bfloat16 compute, remat none
   component                                           GiB/device  live in
   policy params (train layout)                              0.37  all
   AdamW moments (2 x params dtype)                          0.75  all
   reference params (train layout)                           0.37  all
-  M_exp params (sampling layout)                            3.74  all
+  M_exp params (sampling layout)                            1.87  all
   policy params re-laid out for sampling                    1.50  rollout,exp_step
   policy KV cache (128 rows x 2080 slots)                   0.89  rollout
   policy prefill (128 rows x 2048)                          2.31  rollout
   scoring forward (32 rows x 2304)                          0.74  score
   gradients (f32 accumulator + one in dtype)                0.75  update
   activations (1 rows/device x 2304, per micro-batch)       2.24  update
-  M_exp KV cache (128 rows x 3584 slots)                    3.50  exp_step
-  M_exp prefill (128 rows x 3072)                           7.31  exp_step
-  M_task KV cache (8 rows x 4224 slots)                     0.26  task_gen
-  M_task prefill (8 rows x 4096)                            0.61  task_gen
-  peak rollout                                              9.94
-  peak exp_step                                            17.55
-  peak score                                                5.98
-  peak update                                               8.22
-  peak task_gen                                             6.11
-  fits in 32 GiB per device (55% at the peak)
+  M_exp KV cache (128 rows x 3584 slots)                    1.75  exp_step
+  M_exp prefill (128 rows x 3072)                           4.78  exp_step
+  M_task KV cache (8 rows x 4224 slots)                     0.13  task_gen
+  M_task prefill (8 rows x 4096)                            0.40  task_gen
+  peak rollout                                              8.07
+  peak exp_step                                            11.40
+  peak score                                                4.11
+  peak update                                               6.35
+  peak task_gen                                             3.90
+  fits in 32 GiB per device (36% at the peak)
 """
 
 import dataclasses
@@ -82,6 +83,7 @@ def config() -> DreamGymConfig:
       base,
       rl=rl,
       exp_model="runs/exp_sft/twx_llama8b/checkpoint",
+      exp_dtype="bfloat16",  # frozen: bfloat16 weights halve M_exp's share
       exp_prompt_buckets=(1024, 2048, 3072),  # up to configs/train_exp_twx.py's max_len
       exp_max_new_tokens=512,
       out_dir="runs/dreamgym/grpo_twx_llama3b_tpu",

@@ -25,8 +25,8 @@ divides every head count (32 query heads, 8 KV heads), and M_exp, which sits in 
 fsdp) for the whole run, splits 8 ways. Attention runs in blocks of 512 queries (ModelConfig.attention_chunk), so
 the prefills' float32 scores stay [rows, heads, 512, prompt] per layer; with the update at two rows per device per
 micro-batch the peak is M_exp's turn. The policy computes in bfloat16 (model.dtype) over float32 weights, which
-AdamW needs: its steps of lr ~1e-6 would round away in bfloat16 weights. "h100" below is 90% of 80 GB, the share
-tpu/gpu_*.sh give XLA (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9).
+AdamW needs: its steps of lr ~1e-6 would round away in bfloat16 weights. M_exp, frozen, holds bfloat16 weights
+(exp_dtype). "h100" below is 90% of 80 GB, the share tpu/gpu_*.sh give XLA (XLA_PYTHON_CLIENT_MEM_FRACTION=0.9).
 
 Memory per device (estimates; dreamjax/parallel/memory.py says what each line counts), recomputed by
 tests/test_memory.py from this command:
@@ -36,28 +36,28 @@ tests/test_memory.py from this command:
   configs/scale/dreamgym_llama8b_gpu.py (DreamGymConfig)
   mesh data=1 fsdp=2 tensor=8 (16 devices)
   policy: 8.030B params, float32 weights, bfloat16 compute, remat none
-  M_exp: 8.030B params, float32 weights, float32 compute, remat none
+  M_exp: 8.030B params, bfloat16 weights, bfloat16 compute, remat none
   component                                           GiB/device  live in
   policy params (train layout)                              1.87  all
   AdamW moments (2 x params dtype)                          3.74  all
   reference params (train layout)                           1.87  all
-  M_exp params (sampling layout)                            3.74  all
+  M_exp params (sampling layout)                            1.87  all
   policy params re-laid out for sampling                    3.74  rollout,exp_step
   policy KV cache (128 rows x 2080 slots)                   2.03  rollout
   policy prefill (128 rows x 2048)                          6.38  rollout
   scoring forward (32 rows x 2304)                          2.00  score
   gradients (f32 accumulator + one in dtype)                3.74  update
   activations (2 rows/device x 2304, per micro-batch)       6.98  update
-  M_exp KV cache (128 rows x 3584 slots)                    7.00  exp_step
-  M_exp prefill (128 rows x 3072)                          14.62  exp_step
-  M_task KV cache (8 rows x 4224 slots)                     0.52  task_gen
-  M_task prefill (8 rows x 4096)                            1.22  task_gen
-  peak rollout                                             23.37
-  peak exp_step                                            36.59
-  peak score                                               13.22
-  peak update                                              21.95
-  peak task_gen                                            12.96
-  fits in 72 GiB per device (51% at the peak)
+  M_exp KV cache (128 rows x 3584 slots)                    3.50  exp_step
+  M_exp prefill (128 rows x 3072)                           9.56  exp_step
+  M_task KV cache (8 rows x 4224 slots)                     0.26  task_gen
+  M_task prefill (8 rows x 4096)                            0.80  task_gen
+  peak rollout                                             21.50
+  peak exp_step                                            26.16
+  peak score                                               11.35
+  peak update                                              20.08
+  peak task_gen                                            10.41
+  fits in 72 GiB per device (36% at the peak)
 """
 
 import dataclasses
@@ -84,6 +84,7 @@ def config() -> DreamGymConfig:
       base,
       rl=rl,
       exp_model="runs/exp_sft/twx_llama8b/checkpoint",
+      exp_dtype="bfloat16",  # frozen: bfloat16 weights halve M_exp's share
       exp_prompt_buckets=(1024, 2048, 3072),  # up to configs/train_exp_twx.py's max_len
       exp_max_new_tokens=512,
       out_dir="runs/dreamgym/grpo_twx_llama8b_gpu",

@@ -26,6 +26,7 @@ sits in the sampling layout (whole along fsdp) for the whole run and splits 4 wa
 queries (ModelConfig.attention_chunk), so the prefills' float32 scores stay [rows, heads, 512, prompt] per layer;
 95 GiB leave room for two rows per device per micro-batch in the update. The policy computes in bfloat16
 (model.dtype) over float32 weights, which AdamW needs: its steps of lr ~1e-6 would round away in bfloat16 weights.
+M_exp, frozen, holds bfloat16 weights (exp_dtype).
 
 Memory per device (estimates; dreamjax/parallel/memory.py says what each line counts), recomputed by
 tests/test_memory.py from this command:
@@ -35,28 +36,28 @@ tests/test_memory.py from this command:
   configs/scale/dreamgym_qwen7b_tpu.py (DreamGymConfig)
   mesh data=1 fsdp=4 tensor=4 (16 devices)
   policy: 7.616B params, float32 weights, bfloat16 compute, remat none
-  M_exp: 8.030B params, float32 weights, float32 compute, remat none
+  M_exp: 8.030B params, bfloat16 weights, bfloat16 compute, remat none
   component                                           GiB/device  live in
   policy params (train layout)                              1.77  all
   AdamW moments (2 x params dtype)                          3.55  all
   reference params (train layout)                           1.77  all
-  M_exp params (sampling layout)                            7.48  all
+  M_exp params (sampling layout)                            3.74  all
   policy params re-laid out for sampling                    7.09  rollout,exp_step
   policy KV cache (128 rows x 2080 slots)                   0.89  rollout
   policy prefill (128 rows x 2048)                          4.66  rollout
   scoring forward (32 rows x 2304)                          1.74  score
   gradients (f32 accumulator + one in dtype)                3.55  update
   activations (2 rows/device x 2304, per micro-batch)       8.36  update
-  M_exp KV cache (128 rows x 3584 slots)                    7.00  exp_step
-  M_exp prefill (128 rows x 3072)                          10.12  exp_step
-  M_task KV cache (8 rows x 4224 slots)                     0.52  task_gen
-  M_task prefill (8 rows x 4096)                            0.84  task_gen
-  peak rollout                                             27.21
-  peak exp_step                                            38.79
-  peak score                                               16.32
-  peak update                                              26.48
-  peak task_gen                                            15.93
-  fits in 95 GiB per device (41% at the peak)
+  M_exp KV cache (128 rows x 3584 slots)                    3.50  exp_step
+  M_exp prefill (128 rows x 3072)                           7.31  exp_step
+  M_task KV cache (8 rows x 4224 slots)                     0.26  task_gen
+  M_task prefill (8 rows x 4096)                            0.61  task_gen
+  peak rollout                                             23.47
+  peak exp_step                                            28.74
+  peak score                                               12.58
+  peak update                                              22.74
+  peak task_gen                                            11.70
+  fits in 95 GiB per device (30% at the peak)
 """
 
 import dataclasses
@@ -83,6 +84,7 @@ def config() -> DreamGymConfig:
       base,
       rl=rl,
       exp_model="runs/exp_sft/twx_llama8b/checkpoint",
+      exp_dtype="bfloat16",  # frozen: bfloat16 weights halve M_exp's share
       exp_prompt_buckets=(1024, 2048, 3072),  # up to configs/train_exp_twx.py's max_len
       exp_max_new_tokens=512,
       out_dir="runs/dreamgym/grpo_twx_qwen7b_tpu",

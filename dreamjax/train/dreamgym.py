@@ -186,12 +186,16 @@ class DreamGymConfig:
   exp_temperature: float = 1.0
   exp_max_new_tokens: int = 0  # 0: the decode budget recorded in exp_model.json
   exp_prompt_buckets: tuple[int, ...] = ()  # M_exp prompt widths; empty: powers of two up to its max_len
+  # M_exp's (and M_task's) weights and compute: frozen, so unlike the trained policy it may hold bfloat16 weights.
+  exp_dtype: str = "float32"
   placement: PlacementConfig = PlacementConfig()
   out_dir: str = "runs/dreamgym"
 
   def __post_init__(self):
     if self.seed_tasks < 0 or self.exp_max_new_tokens < 0 or self.exp_temperature <= 0:
       raise ValueError("DreamGymConfig: seed_tasks >= 0, exp_max_new_tokens >= 0 and exp_temperature > 0 required")
+    if self.exp_dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"DreamGymConfig.exp_dtype must be 'float32' or 'bfloat16', got {self.exp_dtype!r}")
 
 
 def load_exp_model(cfg: DreamGymConfig, mesh) -> tuple[Any, Any, Any, dict[str, Any], ExpFormatConfig]:
@@ -209,7 +213,8 @@ def load_exp_model(cfg: DreamGymConfig, mesh) -> tuple[Any, Any, Any, dict[str, 
                      f"{str(cfg.reasoning).lower()}) or set reasoning={str(fmt.reasoning).lower()}")
   if not cfg.replay:
     fmt = dataclasses.replace(fmt, retrieval=False)
-  model_cfg, params, tok = load_model(folder, mesh=mesh, rules=SAMPLE_RULES)
+  model_cfg, params, tok = load_model(folder, mesh=mesh, rules=SAMPLE_RULES,
+                                      overrides={"dtype": cfg.exp_dtype, "param_dtype": cfg.exp_dtype})
   return model_cfg, params, tok, meta, fmt
 
 
