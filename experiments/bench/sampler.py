@@ -1,8 +1,15 @@
-"""Sampler benchmark: dreamjax's jitted `Sampler` against transformers `generate`, side by side (BENCHMARKS.md setup).
+"""Sampler benchmark: dreamjax's jitted `Sampler` against transformers `generate` and google-tunix's `Sampler`, side by
+side on the same model, prompts and batch (BENCHMARKS.md setup).
 
-Run: `python experiments/bench/sampler.py` (standard model, ~5-10 min on 2 cores) or `... --small` (smoke test, seconds).
-Prints a markdown table of decode tokens/s (batch * new tokens / median seconds, prefill included), the ratio, dreamjax's
-compile time and the tunix numbers of BENCHMARKS.md; writes table.md and results.json to --out.
+Run: `python experiments/bench/sampler.py` (standard model, ~30 min on 2 cores) or `... --small` (smoke test, seconds).
+Each case runs its contenders one after the other (never at once): dreamjax in this process, transformers in this
+process, tunix in its own venv through `experiments/bench/peers.py` (a subprocess per case, given the same prompt ids;
+`bash experiments/bench/tunix_venv.sh` makes the venv; without it, or with --no-tunix, its column says why). The first
+tunix call also checks tunix's logits against transformers' on the same folder. Prints markdown tables of decode
+tokens/s (batch * new tokens / median seconds, prefill included) with the ratios, compile times, and prefill seconds;
+writes table.md and results.json to --out. Every case runs `--passes` passes (dreamjax, transformers, tunix, then
+again), and each contender reports its fastest pass's median of `--runs` runs (BENCHMARKS.md's convention: the machine
+is shared, and other work only ever slows a pass down).
 """
 
 from __future__ import annotations
@@ -12,9 +19,14 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
 
 # CPU is the setup BENCHMARKS.md defines; without this JAX would pick an accelerator if one happened to be present.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -26,14 +38,12 @@ import transformers  # noqa: E402
 
 from dreamjax.models import load_hf_checkpoint  # noqa: E402
 from dreamjax.sampling import Sampler, sampling_params  # noqa: E402
+from experiments.bench import peers  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 STANDARD = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
                 num_key_value_heads=2)
 SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
-# Measured elsewhere (google-tunix 0.1.7 sampler, same model and CPU); copied from BENCHMARKS.md, never run here.
-TUNIX_TOK_S = {("greedy", 1): 130, ("greedy", 32): 513, ("top_p", 1): 63, ("top_p", 32): 100}
 
 
 def log(msg: str) -> None:
@@ -97,14 +107,29 @@ def run_transformers(model, prompts: np.ndarray, mode: str, new_tokens: int, run
   return timed(call, runs)
 
 
-def table(rows: list[dict]) -> str:
-  lines = ["| case | dreamjax tok/s | transformers tok/s | ratio (dreamjax / transformers) | dreamjax compile s | "
-           "tunix tok/s (BENCHMARKS.md, not run here) |", "|---|---|---|---|---|---|"]
+def run_tunix(folder: Path, prompts: np.ndarray, mode: str, new_tokens: int, runs: int, threads: int,
+              check_logits: bool) -> dict:
+  """tunix's measurement of one case in its venv, on these exact prompt ids."""
+  with tempfile.TemporaryDirectory(prefix="bench_tunix_") as tmp:
+    path = Path(tmp) / "prompts.npy"
+    np.save(path, prompts)
+    args = ["--model-dir", folder, "--prompts", path, "--mode", mode, "--new-tokens", new_tokens, "--runs", runs]
+    return peers.run_tunix(args + (["--check-logits"] if check_logits else []), threads=threads)
+
+
+def _cell(value: float | None, fmt: str, missing: str) -> str:
+  return missing if value is None else format(value, fmt)
+
+
+def table(rows: list[dict], tunix_missing: str) -> str:
+  lines = ["| case | dreamjax tok/s | transformers tok/s | tunix tok/s | dreamjax / transformers | dreamjax / tunix | "
+           "dreamjax compile s | tunix compile s |", "|---|---|---|---|---|---|---|---|"]
   for r in rows:
     compile_s = f"{r['dreamjax_compile_s']:.1f}" if r["dreamjax_compiled"] else "0 (reuses the greedy compilation)"
-    tunix = r["tunix_tok_s"] if r["tunix_tok_s"] is not None else "-"
-    lines.append(f"| {r['case']} | {r['dreamjax_tok_s']:.0f} | {r['transformers_tok_s']:.0f} | {r['ratio']:.2f}x | "
-                 f"{compile_s} | {tunix} |")
+    lines.append(f"| {r['case']} | {r['dreamjax_tok_s']:.0f} | {r['transformers_tok_s']:.0f} | "
+                 f"{_cell(r['tunix_tok_s'], '.0f', tunix_missing)} | {r['ratio']:.2f}x | "
+                 f"{_cell(r['tunix_ratio'], '.2f', '-')}{'x' if r['tunix_ratio'] is not None else ''} | {compile_s} | "
+                 f"{_cell(r['tunix_compile_s'], '.1f', '-')} |")
   return "\n".join(lines)
 
 
@@ -115,8 +140,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--new-tokens", type=int, default=None, help="forced new tokens (default 128; 16 with --small)")
   p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128; 16 with --small)")
   p.add_argument("--runs", type=int, default=3, help="timed runs after the warm-up; the median is reported")
+  p.add_argument("--passes", type=int, default=None, help="passes of every contender per case, one after the other; "
+                 "each reports its fastest pass's median (default 2; 1 with --small)")
   p.add_argument("--threads", type=int, default=2, help="CPU threads for both contenders; 0 leaves them alone")
   p.add_argument("--no-prefill", action="store_true", help="skip the prefill-only measurement")
+  p.add_argument("--no-tunix", action="store_true", help="skip the tunix peer (also: DREAMJAX_SKIP_PEERS=1)")
   p.add_argument("--small", action="store_true", help="tiny model for a quick smoke test")
   p.add_argument("--model-dir", type=Path, default=None, help="HF folder of the benchmark model (made if missing)")
   p.add_argument("--out", type=Path, default=ROOT / "runs/bench/sampler")
@@ -124,6 +152,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   args.new_tokens = args.new_tokens or (16 if args.small else 128)
   args.prompt_len = args.prompt_len or (16 if args.small else 128)
   args.model_dir = args.model_dir or ROOT / ".cache/bench" / ("qwen2-small" if args.small else "qwen2-standard")
+  args.passes = args.passes or (1 if args.small else 2)
+  if args.passes < 1 or args.runs < 1:
+    p.error(f"--passes and --runs must be >= 1, got {args.passes} and {args.runs}")
   args.batches = [int(b) for b in args.batches.split(",")]
   args.modes = args.modes.split(",")
   if not set(args.modes) <= {"greedy", "top_p"}:
@@ -145,50 +176,78 @@ def main(argv: Sequence[str] | None = None) -> dict:
   model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
   sampler = Sampler(cfg, max_new_tokens=args.new_tokens, pad_id=0)
   prefill_sampler = Sampler(cfg, max_new_tokens=1, pad_id=0)
+  tunix_missing = peers.status(skip=args.no_tunix)
+  logits_check = None
   rng = np.random.default_rng(0)
   rows, prefill = [], []
   for batch in args.batches:
     prompts = rng.integers(10, cfg.vocab_size, size=(batch, args.prompt_len)).astype(np.int32)
     for mode in args.modes:
       case = f"{mode}, batch {batch}"
-      log(f"[{case}] dreamjax ...")
-      first, dj_times, dj_tokens, compiled = run_dreamjax(cfg, params, sampler, prompts, mode, args.new_tokens,
-                                                          args.runs)
-      log(f"[{case}] dreamjax first call {first:.2f}s, runs {[round(t, 3) for t in dj_times]}; transformers ...")
-      tf_first, tf_times, tf_tokens = run_transformers(model, prompts, mode, args.new_tokens, args.runs)
-      log(f"[{case}] transformers first call {tf_first:.2f}s, runs {[round(t, 3) for t in tf_times]}")
-      dj_med, tf_med = statistics.median(dj_times), statistics.median(tf_times)
+      dj, tf, txs = [], [], []  # per pass: (first call s, timed runs s, ...)
+      for pass_ in range(args.passes):
+        log(f"[{case}] pass {pass_ + 1}/{args.passes}: dreamjax ...")
+        dj.append(run_dreamjax(cfg, params, sampler, prompts, mode, args.new_tokens, args.runs))
+        log(f"[{case}] dreamjax first call {dj[-1][0]:.2f}s, runs {[round(t, 3) for t in dj[-1][1]]}; transformers ...")
+        tf.append(run_transformers(model, prompts, mode, args.new_tokens, args.runs))
+        log(f"[{case}] transformers first call {tf[-1][0]:.2f}s, runs {[round(t, 3) for t in tf[-1][1]]}")
+        if tunix_missing is None:
+          log(f"[{case}] tunix ...")
+          res = run_tunix(folder, prompts, mode, args.new_tokens, args.runs, args.threads, logits_check is None)
+          logits_check = logits_check or res.get("logits")
+          txs.append(res["sampler"])
+      first, dj_tokens, compiled = dj[0][0], dj[0][2], dj[0][3]
+      tf_tokens, tx = tf[0][2], (txs[0] if txs else None)
+      # Each contender's fastest pass: load from other work on a shared machine only ever slows a pass down.
+      dj_med = min(statistics.median(d[1]) for d in dj)
+      tf_med = min(statistics.median(t[1]) for t in tf)
+      tx_med = min(t["median_s"] for t in txs) if txs else None
       n = batch * args.new_tokens
       row = dict(case=case, mode=mode, batch=batch, dreamjax_tok_s=n / dj_med, transformers_tok_s=n / tf_med,
-                 ratio=tf_med / dj_med, dreamjax_compile_s=max(first - dj_med, 0.0), dreamjax_compiled=compiled,
-                 dreamjax_first_s=first, dreamjax_times_s=dj_times, transformers_first_s=tf_first,
-                 transformers_times_s=tf_times, tunix_tok_s=None if args.small else TUNIX_TOK_S.get((mode, batch)))
+                 ratio=tf_med / dj_med, dreamjax_compile_s=max(first - statistics.median(dj[0][1]), 0.0),
+                 dreamjax_compiled=compiled, dreamjax_first_s=first, dreamjax_times_s=[d[1] for d in dj],
+                 transformers_first_s=tf[0][0], transformers_times_s=[t[1] for t in tf],
+                 tunix_tok_s=tx and n / tx_med, tunix_ratio=tx and tx_med / dj_med,
+                 tunix_compile_s=tx and tx["compile_s"], tunix_first_s=tx and tx["first_s"],
+                 tunix_times_s=[t["times_s"] for t in txs] or None)
       if mode == "greedy":
         # Same weights in float32: greedy paths should agree until a near-tie flips (random weights give flat logits).
-        same = dj_tokens == tf_tokens
-        row["greedy_token_agreement"] = float(same.mean())
-        row["greedy_rows_identical"] = int(same.all(-1).sum())
-        log(f"[{case}] greedy tokens equal to transformers': {same.mean():.1%} ({int(same.all(-1).sum())}/{batch} rows)")
+        for peer, tokens in (("transformers", tf_tokens), ("tunix", tx and np.asarray(tx["tokens"]))):
+          if tokens is None:
+            continue
+          same = dj_tokens == tokens
+          key = "" if peer == "transformers" else "tunix_"
+          row[f"{key}greedy_token_agreement"] = float(same.mean())
+          row[f"{key}greedy_rows_identical"] = int(same.all(-1).sum())
+          log(f"[{case}] greedy tokens equal to {peer}: {same.mean():.1%} ({int(same.all(-1).sum())}/{batch} rows)")
       rows.append(row)
     if not args.no_prefill:
       # Prefill cost per contender: one new token. dreamjax's loop also runs one decode step for logits it never uses.
       log(f"[prefill, batch {batch}] ...")
-      _, dj_pre, _, _ = run_dreamjax(cfg, params, prefill_sampler, prompts, "greedy", 1, args.runs)
-      _, tf_pre, _ = run_transformers(model, prompts, "greedy", 1, args.runs)
-      prefill.append(dict(batch=batch, prompt_len=args.prompt_len, dreamjax_s=statistics.median(dj_pre),
-                          transformers_s=statistics.median(tf_pre)))
-  md = table(rows)
+      dj_pre, tf_pre, tx_pre = [], [], []
+      for _ in range(args.passes):
+        dj_pre.append(statistics.median(run_dreamjax(cfg, params, prefill_sampler, prompts, "greedy", 1, args.runs)[1]))
+        tf_pre.append(statistics.median(run_transformers(model, prompts, "greedy", 1, args.runs)[1]))
+        if tunix_missing is None:
+          tx_pre.append(run_tunix(folder, prompts, "greedy", 1, args.runs, args.threads, False)["sampler"]["median_s"])
+      prefill.append(dict(batch=batch, prompt_len=args.prompt_len, dreamjax_s=min(dj_pre),
+                          transformers_s=min(tf_pre), tunix_s=min(tx_pre) if tx_pre else None))
+  md = table(rows, tunix_missing or "-")
   if prefill:
-    md += "\n\n| prefill (1 new token) | dreamjax s | transformers s |\n|---|---|---|\n" + "\n".join(
-        f"| batch {p['batch']}, {p['prompt_len']} tokens | {p['dreamjax_s']:.3f} | {p['transformers_s']:.3f} |"
-        for p in prefill)
+    md += "\n\n| prefill (1 new token) | dreamjax s | transformers s | tunix s |\n|---|---|---|---|\n" + "\n".join(
+        f"| batch {p['batch']}, {p['prompt_len']} tokens | {p['dreamjax_s']:.3f} | {p['transformers_s']:.3f} | "
+        f"{_cell(p['tunix_s'], '.3f', tunix_missing or '-')} |" for p in prefill)
+  if logits_check:
+    md += (f"\n\ntunix vs transformers logits on a fixed {logits_check['prompt_tokens']}-token prompt: max abs diff "
+           f"{logits_check['max_abs_diff']:.1e} (logits up to {logits_check['logits_max_abs']:.2f}), argmax agreement "
+           f"{logits_check['argmax_agreement']:.0%}")
   print(md, flush=True)
   result = dict(
       setup=dict(model_dir=str(folder), small=args.small, new_tokens=args.new_tokens, prompt_len=args.prompt_len,
-                 runs=args.runs, threads=args.threads, cpus_available=len(os.sched_getaffinity(0)),
+                 runs=args.runs, passes=args.passes, threads=args.threads, cpus_available=len(os.sched_getaffinity(0)),
                  jax=jax.__version__, transformers=transformers.__version__, torch=torch.__version__,
-                 jax_devices=[str(d) for d in jax.devices()]),
-      rows=rows, prefill=prefill, table_md=md)
+                 jax_devices=[str(d) for d in jax.devices()], tunix=tunix_missing or "run side by side"),
+      rows=rows, prefill=prefill, tunix_logits_check=logits_check, table_md=md)
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "table.md").write_text(md + "\n")
   (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
