@@ -8,6 +8,7 @@ os.environ.setdefault("PJRT_NPROC", "32")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("DREAMJAX_SKIP_PEERS", "1")  # benchmarks smoke-tested here never start the tunix peer
 
 import pytest  # noqa: E402
 
