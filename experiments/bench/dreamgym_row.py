@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dreamjax.data.collect import env_tasks
-from dreamjax.data.records import StepRecord, TrajectoryRecord, transitions
+from dreamjax.data.records import TrajectoryRecord, transitions
 from dreamjax.experience.format import (
     ExpFormatConfig,
     render_example,
@@ -83,24 +83,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def collect_records(n: int) -> list[TrajectoryRecord]:
   """Expert episodes of TextWorld-Express coin, recorded with the env's own expert."""
+  from dreamjax.data.collect import Episode, run_episodes
+  from dreamjax.envs.base import SerialBatchEnv
   from dreamjax.envs.textworld_express import TextWorldExpressEnv
 
-  env, out = TextWorldExpressEnv(step_limit=8), []
+  env = TextWorldExpressEnv(step_limit=8)
   try:
-    for task in env_tasks("textworld_express", "coin", "train", n, 0, COIN):
-      obs, steps = env.reset(task), []
-      while (action := env.expert_action()) is not None:
-        r = env.step(action)
-        steps.append(StepRecord(obs.state, action, r.observation.state, r.reward, r.done, r.success, r.invalid,
-                                obs.admissible, "expert"))
-        obs = r.observation
-        if r.done:
-          break
-      out.append(TrajectoryRecord(f"expert:{task.task_id}", env.name, task, obs.instruction, "expert", 0,
-                                  tuple(steps), bool(steps and steps[-1].success), len(steps), None))
+    episodes = [Episode(f"expert:{t.task_id}", "expert", t, 0)
+                for t in env_tasks("textworld_express", "coin", "train", n, 0, COIN)]
+    batch = SerialBatchEnv([env])  # one JVM, one episode at a time
+    out = {e.episode_id: r for episode in episodes for e, r in run_episodes(batch, [episode], max_steps=8)}
   finally:
     env.close()
-  return out
+  failed = [i for i, r in out.items() if isinstance(r, str)]
+  if failed:
+    raise RuntimeError(f"expert episodes failed in the env: {failed[:3]}")
+  return [out[e.episode_id] for e in episodes]
 
 
 def warm_start(base: Path, records: list[TrajectoryRecord], rollout: RolloutConfig, args, log: Callable) -> Path:
