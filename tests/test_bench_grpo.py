@@ -15,11 +15,12 @@ def test_update_flops_hand_count():
              head_dim=4)
   # Per layer: q 8x8 = 64, k and v 8x4 = 32 each, o 8x8 = 64, gate/up/down 3 x 8x12 = 288 -> 480; two layers 960;
   # LM head 8x100 = 800. Embedding lookup, biases and norm scales are not matmuls.
-  assert bench.matmul_flops(cfg) == 1760
-  # Rows of 3 and 5 valid tokens: 6 N x 8 tokens, plus attention 12 x layers x (heads x head_dim) x (3^2 + 5^2).
-  assert bench.update_flops(cfg, [3, 5]) == 6 * 1760 * 8 + 12 * 2 * 8 * (9 + 25)
+  assert bench.matmul_weights(cfg) == (960, 800)
+  # Rows of 3 and 5 valid tokens, 4 of them loss tokens: 6 x (960 x 8 tokens + 800 x 4), plus attention
+  # 12 x layers x (heads x head_dim) x (3^2 + 5^2).
+  assert bench.update_flops(cfg, [3, 5], 4) == 6 * (960 * 8 + 800 * 4) + 12 * 2 * 8 * (9 + 25)
   # Tied embeddings still project through the embedding matrix: the head counts either way.
-  assert bench.matmul_flops(cfg.replace(tie_word_embeddings=True)) == 1760
+  assert bench.matmul_weights(cfg.replace(tie_word_embeddings=True)) == (960, 800)
 
 
 def test_single_turn_rows_follow_the_rollout_contract():
@@ -56,10 +57,10 @@ def test_bench_grpo_small(tmp_path, monkeypatch):
     assert row["median"][phase] > 0, phase
   assert 0 < row["mfu_pct"] <= 100
   assert result["matmul_ceiling_flop_s"] > 0
-  # 16 rows of 16 prompt ids + 16 forced new tokens, all valid: the update's FLOPs count exactly those.
+  # 16 rows of 16 prompt ids + 16 forced new tokens (the loss tokens), all valid: the update's FLOPs count those.
   cfg, _ = load_hf_checkpoint(tmp_path / "model")
   assert row["update_tokens"] == 16 * 32
-  assert row["update_flops"] == pytest.approx(bench.update_flops(cfg, [32] * 16))
+  assert row["update_flops"] == pytest.approx(bench.update_flops(cfg, [32] * 16, 16 * 16))
   saved = json.loads((out / "results.json").read_text())
   assert saved["tunix"] is None and saved["setup"]["tunix"] == "skipped"
   assert "| skipped |" in (out / "table.md").read_text()

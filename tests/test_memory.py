@@ -148,7 +148,8 @@ def test_update_step_estimate_tracks_xla(micro, chunk):
                      old_logp=row(jnp.float32), ref_logp=row(jnp.float32), advantages=row(jnp.float32),
                      returns=row(jnp.float32), old_values=row(jnp.float32),
                      pair=jax.ShapeDtypeStruct((rows,), jnp.int32), chosen=jax.ShapeDtypeStruct((rows,), bool))
-  step = jax.jit(lambda s, b, r: _train_step(s, b, r, model_cfg=cfg, objective=objective, optimizer=optimizer,
+  # score_len None: every position projected, the estimate's case (a loss over whole rows; fewer loss tokens need less).
+  step = jax.jit(lambda s, b, r: _train_step(s, b, r, None, model_cfg=cfg, objective=objective, optimizer=optimizer,
                                              micro_batches=micro), donate_argnums=0)
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
   measured = step.lower(state, batch, key).compile().memory_analysis().temp_size_in_bytes

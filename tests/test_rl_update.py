@@ -6,6 +6,7 @@ and train steps are built once per (objective, optimizer, micro-batches) and sha
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,10 +14,12 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dreamjax.models import Transformer, init_params, tiny
+from dreamjax.models import Transformer, init_params, load_hf_checkpoint, save_hf_checkpoint, tiny
+from dreamjax.models.params import param_shardings
 from dreamjax.parallel import MeshConfig, make_mesh
+from dreamjax.parallel.sharding import TRAIN_RULES
 from dreamjax.rl.batch import TokenBatch, dpo_batch, sft_batch
-from dreamjax.rl.logprobs import LogpScorer, row_positions, token_logps
+from dreamjax.rl.logprobs import LogpScorer, row_positions, score_len_for, token_logps
 from dreamjax.rl.objectives import PolicyGradientConfig, make_objective
 from dreamjax.rl.optim import OptimConfig, make_optimizer, make_schedule
 from dreamjax.rl.train_state import create_train_state
@@ -157,6 +160,96 @@ def test_token_logps_equal_sampler_logps(params):
     assert sampler.compilations() == 1
 
 
+def short_mask(valid: np.ndarray, seed: int) -> np.ndarray:
+  """A loss mask of at most 5 tokens per row (some rows empty, one token at t = 0, which has no log-prob), so the
+  scored tokens fit in fewer slots than the row is long."""
+  rng = np.random.RandomState(seed)
+  starts = rng.randint(0, T // 2, B)
+  mask = (np.arange(T)[None] >= starts[:, None]) & (np.arange(T)[None] < starts[:, None] + rng.randint(0, 6, B)[:, None])
+  mask[0, :2] = True
+  return (mask & valid).astype(np.float32)
+
+
+def test_scoring_only_the_loss_tokens_equals_scoring_all(params):
+  """Gathering the masked tokens' predicting states into score_len slots (and projecting only them, also in chunks)
+  gives the full projection's log-probs, entropies and gradients there, and 0 elsewhere."""
+  tokens, valid, _ = rows(2)
+  mask = short_mask(valid, 2)
+  pos = row_positions(valid)
+  assert [score_len_for(m) for m in (np.zeros((2, 3)), mask, np.ones((1, 64)), np.ones((1, 65)))] == [0, 64, 64, 128]
+
+  def logps(p, **kw):
+    return token_logps(CFG, p, tokens, pos, valid, with_entropy=True, **kw)
+
+  def weighted(p, **kw):  # a loss reading the masked log-probs and entropies with distinct weights
+    out = logps(p, **kw)
+    w = jnp.arange(1.0, T + 1.0)
+    return jnp.sum((out.logp + 0.3 * out.entropy) * mask * w)
+
+  full = jax.jit(logps)(params)
+  full_grads = jax.jit(jax.grad(weighted))(params)
+  scored = np.zeros_like(valid)
+  scored[:, 1:] = valid[:, 1:] & valid[:, :-1]
+  for k, chunk in ((5, None), (8, 3), (T, None)):  # T: at least the row length, so the full projection, masked
+    got = jax.jit(functools.partial(logps, score_mask=mask, score_len=k, chunk_size=chunk))(params)
+    for name in ("logp", "entropy"):
+      want = np.where(mask != 0, getattr(full, name), 0)
+      np.testing.assert_allclose(getattr(got, name), want, rtol=1e-5, atol=1e-6, err_msg=f"{name} {k}")
+    assert np.all(np.asarray(got.logp)[(mask != 0) & scored] != 0) and got.logp[0, 0] == 0
+    grads = jax.jit(jax.grad(functools.partial(weighted, score_mask=mask, score_len=k, chunk_size=chunk)))(params)
+    assert max_rel_diff(grads, full_grads) < 1e-5, k
+  # On a data=2, fsdp=2, tensor=2 mesh (rows, weights and the vocabulary sharded), the gather gives the same.
+  mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+  with jax.set_mesh(mesh), nn.logical_axis_rules(TRAIN_RULES):
+    sharded = jax.device_put(params, param_shardings(CFG, mesh))
+    got = jax.jit(functools.partial(logps, score_mask=mask, score_len=5))(sharded)
+    grads = jax.jit(jax.grad(functools.partial(weighted, score_mask=mask, score_len=5)))(sharded)
+  np.testing.assert_allclose(got.logp, np.where(mask != 0, full.logp, 0), rtol=1e-5, atol=1e-6)
+  assert max_rel_diff(*jax.device_get((grads, full_grads))) < 1e-5
+  zero = jax.jit(functools.partial(logps, score_mask=np.zeros_like(mask), score_len=0))(params)
+  assert not np.asarray(zero.logp).any() and not np.asarray(zero.entropy).any()
+  with pytest.raises(ValueError, match="score_mask and score_len go together"):
+    logps(params, score_mask=mask)
+  # The host scorer with a mask: the same log-probs on the masked tokens, 0 elsewhere.
+  got, _ = LogpScorer(CFG, batch_size=3, pad_to=16)(params, tokens, None, valid, mask=mask)
+  np.testing.assert_allclose(got, np.where(mask != 0, full.logp, 0), rtol=1e-5, atol=1e-6)
+
+
+def test_objective_on_the_loss_tokens_equals_the_full_projection(params):
+  """The update's objective with score_len (what TrainStep passes) has the full projection's loss, metrics and
+  gradient."""
+  batch = pg_batch(7, params)
+  batch = batch.replace(loss_mask=short_mask(batch.valid, 7))
+  objective = make_objective("grpo", entropy_coef=0.01)
+
+  @jax.jit
+  def both(p):
+    return [jax.value_and_grad(lambda q, k=k: objective.loss(CFG, q, batch, jax.random.key(0), score_len=k),
+                               has_aux=True)(p) for k in (None, 5)]
+
+  ((l1, m1), g1), ((l2, m2), g2) = both(params)
+  np.testing.assert_allclose(l2, l1, rtol=1e-5, atol=1e-6)
+  for key in m1:
+    np.testing.assert_allclose(m2[key], m1[key], rtol=1e-5, atol=1e-7, err_msg=key)
+  assert max_rel_diff(g2, g1) < 1e-5
+
+
+def test_a_loaded_checkpoint_compiles_the_step_and_sampler_once(tmp_path):
+  """Without a mesh, loaded parameters sit on one device as the step returns them, so neither the update nor the
+  sampler compiles again on the updated parameters (each once cost a model-sized compilation per run)."""
+  save_hf_checkpoint(init_params(CFG, jax.random.key(5)), CFG, tmp_path)
+  cfg, loaded = load_hf_checkpoint(tmp_path)
+  objective = make_objective("grpo")
+  step, sampler = make_train_step(cfg, objective, make_optimizer(OptimConfig(lr=1e-2))), Sampler(cfg, 4)
+  state = create_train_state(cfg, loaded, make_optimizer(OptimConfig(lr=1e-2)))
+  batch = pg_batch(8, loaded, cfg)
+  prompts = np.ones((2, 3), np.int32)
+  for i in range(3):
+    sampler(state.params, prompts, np.ones_like(prompts, bool), jax.random.key(i), sampling_params(2, 4))
+    state, _ = step(state, batch, jax.random.key(i))
+  assert int(state.step) == 3 and step.compilations() == 1 and sampler.compilations() == 1
+
+
 # Update steps.
 
 @pytest.mark.parametrize("agg", ["token_mean", pytest.param("seq_mean_token_mean", marks=pytest.mark.slow)])
@@ -197,7 +290,7 @@ def test_grpo_steps_on_the_mesh_equal_one_device(params):
   assert 0 < float(m["clip_frac"]) < 1 and float(m["kl"]) > 0 and float(m["entropy"]) > 0
   assert 0.7 < float(m["ratio_mean"]) < 1.4 and float(m["grad_norm"]) > 0
   assert float(m["num_loss_tokens"]) == batch.loss_mask.sum()
-  assert max_rel_diff(sharded.params, single.params) < 1e-5
+  assert max_rel_diff(*jax.device_get((sharded.params, single.params))) < 1e-5  # one device vs the mesh: on host
   assert jax.tree.map(lambda x: x.sharding, sharded) == shardings  # donated and updated in place
   assert sharded.params["layers_0"]["mlp"]["gate"].sharding.spec == P("fsdp", "tensor")
   assert sharded.opt_state[1].mu["layers_0"]["mlp"]["gate"].sharding.spec == P("fsdp", "tensor")

@@ -135,10 +135,14 @@ def load_hf_checkpoint(
   cfg = load_hf_config(folder, **config_overrides)
   files = _tensor_files(folder)
   boxed = abstract_params(cfg)
-  if mesh is None:
-    mesh = jax.sharding.Mesh(np.asarray(jax.local_devices()[:1]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
-  shardings = tree_shardings(boxed, mesh, rules)
   shapes = nn.unbox(boxed)
+  if mesh is None:
+    # One device, placed as a jitted step returns arrays it made there: a mesh-less NamedSharding would differ from
+    # the update's output, and every jitted function would compile once more in a run's second iteration.
+    one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    shardings = jax.tree.map(lambda _: one, shapes)
+  else:
+    shardings = tree_shardings(boxed, mesh, rules)
   maps = _maps(cfg)
   handles: dict[Path, object] = {}
 

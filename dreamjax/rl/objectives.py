@@ -1,7 +1,7 @@
 """Training objectives over a `TokenBatch`: PPO and GRPO (one policy-gradient loss, different terms), SFT and DPO.
 
-Each objective is a frozen config plus a pure loss function `(params, batch, rng, cfg, *, model_cfg) -> (loss,
-metrics)` that runs the model once (`token_logps`) and combines the per-token losses of `dreamjax.rl.losses`.
+Each objective is a frozen config plus a pure loss function `(params, batch, rng, cfg, *, model_cfg, score_len) ->
+(loss, metrics)` that runs the model once (`token_logps`) and combines the per-token losses of `dreamjax.rl.losses`.
 `Objective` binds the two and adds `normalizer(batch)`: the count the loss averages over (loss tokens for
 `token_mean`, rows with a loss token for the seq-mean modes, complete pairs for DPO). The update weighs each
 micro-batch's loss by its share of that count, which makes k accumulated micro-batches exactly one big batch
@@ -90,12 +90,18 @@ class DpoLossConfig:
   chunk_size: int | None = None
 
 
+def _logps(model_cfg: ModelConfig, params, batch: TokenBatch, score_len: int | None, **kw):
+  """The model's log-probs of the batch's tokens; only of its loss tokens when the caller gives their `score_len`."""
+  return token_logps(model_cfg, params, batch.tokens, batch.positions, batch.valid,
+                     score_mask=None if score_len is None else batch.loss_mask, score_len=score_len, **kw)
+
+
 def policy_gradient_objective(params, batch: TokenBatch, rng: jax.Array, cfg: PolicyGradientConfig, *,
-                              model_cfg: ModelConfig) -> tuple[Float[Array, ""], Metrics]:
+                              model_cfg: ModelConfig, score_len: int | None = None) -> tuple[Float[Array, ""], Metrics]:
   del rng
   use_entropy = cfg.entropy_coef != 0 or cfg.log_entropy
-  out = token_logps(model_cfg, params, batch.tokens, batch.positions, batch.valid, with_entropy=use_entropy,
-                    with_values=cfg.vf_coef != 0, temperature=cfg.temperature, chunk_size=cfg.chunk_size)
+  out = _logps(model_cfg, params, batch, score_len, with_entropy=use_entropy, with_values=cfg.vf_coef != 0,
+               temperature=cfg.temperature, chunk_size=cfg.chunk_size)
   mask = batch.loss_mask
   pg, metrics = ppo_clip_loss(out.logp, batch.old_logp, batch.advantages, mask, clip_low=cfg.clip_low,
                               clip_high=cfg.clip_high, dual_clip=cfg.dual_clip, agg=cfg.agg)
@@ -119,9 +125,9 @@ def policy_gradient_objective(params, batch: TokenBatch, rng: jax.Array, cfg: Po
 
 
 def sft_objective(params, batch: TokenBatch, rng: jax.Array, cfg: SftConfig, *,
-                  model_cfg: ModelConfig) -> tuple[Float[Array, ""], Metrics]:
+                  model_cfg: ModelConfig, score_len: int | None = None) -> tuple[Float[Array, ""], Metrics]:
   del rng
-  logp = token_logps(model_cfg, params, batch.tokens, batch.positions, batch.valid, chunk_size=cfg.chunk_size).logp
+  logp = _logps(model_cfg, params, batch, score_len, chunk_size=cfg.chunk_size).logp
   loss = sft_loss(logp, batch.loss_mask, cfg.agg)
   return loss, {"loss": jax.lax.stop_gradient(loss), "nll": jax.lax.stop_gradient(loss)}
 
@@ -141,10 +147,10 @@ def _pair_sums(batch: TokenBatch, row_values: Float[Array, " B"]):
 
 
 def dpo_objective(params, batch: TokenBatch, rng: jax.Array, cfg: DpoLossConfig, *,
-                  model_cfg: ModelConfig) -> tuple[Float[Array, ""], Metrics]:
+                  model_cfg: ModelConfig, score_len: int | None = None) -> tuple[Float[Array, ""], Metrics]:
   """DPO on trajectory log-probs: token log-probs summed over the loss tokens of every row of a trajectory."""
   del rng
-  logp = token_logps(model_cfg, params, batch.tokens, batch.positions, batch.valid, chunk_size=cfg.chunk_size).logp
+  logp = _logps(model_cfg, params, batch, score_len, chunk_size=cfg.chunk_size).logp
   mask = batch.loss_mask
   chosen, rejected, complete = _pair_sums(batch, jnp.sum(logp * mask, -1))
   ref_chosen, ref_rejected, _ = _pair_sums(batch, jnp.sum(batch.ref_logp * mask, -1))
@@ -175,8 +181,10 @@ class Objective:
   name: str
   config: ObjectiveConfig
 
-  def loss(self, model_cfg: ModelConfig, params, batch: TokenBatch, rng: jax.Array) -> tuple[Array, Metrics]:
-    return _LOSS_FNS[type(self.config)](params, batch, rng, self.config, model_cfg=model_cfg)
+  def loss(self, model_cfg: ModelConfig, params, batch: TokenBatch, rng: jax.Array, *,
+           score_len: int | None = None) -> tuple[Array, Metrics]:
+    """`score_len` (static, `score_len_for(batch.loss_mask)`): score the loss tokens only (see token_logps)."""
+    return _LOSS_FNS[type(self.config)](params, batch, rng, self.config, model_cfg=model_cfg, score_len=score_len)
 
   def normalizer(self, batch: TokenBatch) -> Float[Array, ""]:
     """What the loss averages over on this batch; the update weighs micro-batches by it."""

@@ -46,7 +46,10 @@ def create_train_state(cfg: ModelConfig, params, optimizer: optax.GradientTransf
                        mesh: jax.sharding.Mesh | None = None, rules: Rules = TRAIN_RULES) -> TrainState:
   """A fresh state at step 0; with a mesh, parameters are resharded for training and moments are created in place."""
   if mesh is None:
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+    # Committed to the device, as the jitted step's outputs are: uncommitted scalars (the step, Adam's count) would
+    # make the step compile a second time on its own first output.
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+    return jax.device_put(state, jax.local_devices()[0])
   shardings = train_state_shardings(cfg, optimizer, mesh, rules)
   params = jax.device_put(params, shardings.params)
   init = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p)),

@@ -14,6 +14,11 @@ Gradients accumulate in float32 whatever the parameter dtype.
 Sharding. With a mesh, the state keeps the shardings of `train_state_shardings` (in = out, donated, so parameters and
 moments are updated in place), batch rows are split over the rules' `batch` axes (data, fsdp), and the model's logical
 activation constraints apply under the rules. Rematerialisation inside the model follows `ModelConfig.remat`.
+
+Loss tokens. The loss reads log-probs on the batch's loss tokens only, so only they are projected onto the vocabulary
+(`token_logps(score_mask=...)`); their count per row, rounded up to a power of two (`score_len_for`), is a static
+argument: by default the batch's, so a batch with more loss tokens per row than any before compiles once more; SFT and
+DPO trainers pass their whole data's.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dreamjax.models.config import ModelConfig
 from dreamjax.parallel.distributed import to_devices
 from dreamjax.parallel.sharding import TRAIN_RULES, Rules, logical_to_spec
 from dreamjax.rl.batch import TokenBatch, split_micro_batches
+from dreamjax.rl.logprobs import most_scored, score_len_for
 from dreamjax.rl.losses import safe_div
 from dreamjax.rl.objectives import LOSS_METRICS, Objective
 from dreamjax.rl.optim import current_learning_rate
@@ -49,14 +55,14 @@ def _combine(metrics: dict[str, jax.Array], loss_weights: jax.Array, metric_weig
   return {k: one(k, v) for k, v in metrics.items()}
 
 
-def _train_step(state: TrainState, batch: TokenBatch, rng: jax.Array, *, model_cfg: ModelConfig,
+def _train_step(state: TrainState, batch: TokenBatch, rng: jax.Array, score_len: int, *, model_cfg: ModelConfig,
                 objective: Objective, optimizer: optax.GradientTransformation, micro_batches: int,
                 grad_shardings=None) -> tuple[TrainState, dict[str, jax.Array]]:
   micro = split_micro_batches(batch, micro_batches)
   counts = jax.vmap(objective.normalizer)(micro)  # [k]
   weights = safe_div(counts, jnp.sum(counts))
   metric_counts = jax.vmap(objective.metric_normalizer)(micro)
-  grad_fn = jax.value_and_grad(functools.partial(objective.loss, model_cfg), has_aux=True)
+  grad_fn = jax.value_and_grad(functools.partial(objective.loss, model_cfg, score_len=score_len), has_aux=True)
 
   def constrain_grads(g):
     return g if grad_shardings is None else jax.lax.with_sharding_constraint(g, grad_shardings)
@@ -120,30 +126,39 @@ class TrainStep:
     fn = functools.partial(_train_step, model_cfg=model_cfg, objective=objective, optimizer=optimizer,
                            micro_batches=micro_batches)
     if mesh is None:
-      self._fn = jax.jit(fn, donate_argnums=0)
+      self._fn = jax.jit(fn, donate_argnums=0, static_argnums=3)
       return
     state_sh = train_state_shardings(model_cfg, optimizer, mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
     fn = functools.partial(fn, grad_shardings=state_sh.params)
     self._batch_shardings = batch_shardings(mesh, rules)
     self._fn = jax.jit(fn, in_shardings=(state_sh, self._batch_shardings, replicated),
-                       out_shardings=(state_sh, replicated), donate_argnums=0)
+                       out_shardings=(state_sh, replicated), donate_argnums=0, static_argnums=3)
 
   def compilations(self) -> int:
     return self._fn._cache_size()
 
-  def __call__(self, state: TrainState, batch: TokenBatch, rng: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+  def __call__(self, state: TrainState, batch: TokenBatch, rng: jax.Array, score_len: int | None = None
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """`score_len`: slots for each row's loss tokens (static; default `score_len_for(batch.loss_mask)`). Trainers that
+    know their whole data pass `score_len_for` of all its rows, so that each row length compiles once."""
     if batch.num_rows % self.row_multiple:
       raise ValueError(f"TrainStep: the batch has {batch.num_rows} rows, not a multiple of {self.row_multiple} "
                        f"(micro_batches {self.micro_batches} x data-parallel size); build it with "
                        f"row_multiple={self.row_multiple}")
+    # Only the loss tokens are projected onto the vocabulary (token_logps); their bucketed count is static.
+    if score_len is None:
+      score_len = score_len_for(batch.loss_mask)
+    elif score_len < most_scored(batch.loss_mask):
+      raise ValueError(f"TrainStep: score_len {score_len} is less than the {most_scored(batch.loss_mask)} loss tokens "
+                       "of a row of this batch")
     if self.mesh is None:
-      return self._fn(state, batch, rng)
+      return self._fn(state, batch, rng, score_len)
     # Placed here rather than by jit: with several processes jit refuses host (NumPy) rows for sharded inputs; every
     # process holds the same rows and places its own devices' share.
     batch = to_devices(batch, self._batch_shardings)
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
-      return self._fn(state, batch, rng)
+      return self._fn(state, batch, rng, score_len)
 
 
 def make_train_step(model_cfg: ModelConfig, objective: Objective, optimizer: optax.GradientTransformation, *,

@@ -40,7 +40,7 @@ import numpy as np
 
 from dreamjax.parallel import TRAIN_RULES, DistributedConfig, MeshConfig, initialize
 from dreamjax.rl.batch import TokenBatch, dpo_batch
-from dreamjax.rl.logprobs import LogpScorer
+from dreamjax.rl.logprobs import LogpScorer, score_len_for
 from dreamjax.rl.objectives import make_objective
 from dreamjax.rl.optim import OptimConfig, make_optimizer
 from dreamjax.rl.train_state import create_train_state
@@ -116,11 +116,14 @@ def _rows_per_micro(pairs: Sequence[PreferencePair], orders: Sequence[np.ndarray
 
 
 def reference_logps(scorer: LogpScorer, params, pairs: Sequence[PreferencePair], length: int) -> dict[bytes, np.ndarray]:
-  """Reference log-probs of every distinct row, keyed by the row's int32 ids."""
-  unique: dict[bytes, np.ndarray] = {}
+  """Reference log-probs of every distinct row on its loss tokens (0 elsewhere: the loss reads no others), keyed by
+  the row's int32 ids; rows with equal ids are scored on the union of their loss masks."""
+  unique: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
   for p in pairs:
     for row in (*p.chosen, *p.rejected):
-      unique.setdefault(row.ids.astype(np.int32).tobytes(), row.ids)
+      key = row.ids.astype(np.int32).tobytes()
+      ids, mask = unique.get(key, (row.ids, np.zeros(len(row.ids), bool)))
+      unique[key] = (ids, mask | (np.asarray(row.loss_mask) != 0))
   items = list(unique.items())
   out = {}
   chunk = 64 * scorer.batch_size  # host arrays of a bounded size, however many rows there are
@@ -128,10 +131,11 @@ def reference_logps(scorer: LogpScorer, params, pairs: Sequence[PreferencePair],
     part = items[start:start + chunk]
     tokens = np.zeros((len(part), length), np.int32)
     valid = np.zeros((len(part), length), bool)
-    for i, (_, ids) in enumerate(part):
-      tokens[i, :len(ids)], valid[i, :len(ids)] = ids, True
-    logp, _ = scorer(params, tokens, None, valid)
-    out.update((k, logp[i, :len(ids)].copy()) for i, (k, ids) in enumerate(part))
+    mask = np.zeros((len(part), length), bool)
+    for i, (_, (ids, m)) in enumerate(part):
+      tokens[i, :len(ids)], valid[i, :len(ids)], mask[i, :len(ids)] = ids, True, m
+    logp, _ = scorer(params, tokens, None, valid, mask=mask)
+    out.update((k, logp[i, :len(ids)].copy()) for i, (k, (ids, _)) in enumerate(part))
   return out
 
 
@@ -182,6 +186,7 @@ def _train(cfg: DpoConfig, env, out: Path, tracker: Tracker, t_start: float) -> 
   scorer = LogpScorer(model_cfg, cfg.score_batch, pad_to=length, mesh=mesh)
   ref = reference_logps(scorer, params, pairs, length)
   ref_s = time.perf_counter() - t0
+  score_len = score_len_for([r.loss_mask for p in pairs for r in (*p.chosen, *p.rejected)])  # one compilation
   used = {p.chosen_id for p in pairs}
   evaluator = Evaluator(model_cfg, tokenizer, cfg.agent, cfg.rollout, cfg.env, cfg.env_kwargs, cfg.eval,
                         training_tasks([r for r in records if r.episode_id in used], cfg.eval.train_tasks),
@@ -202,7 +207,7 @@ def _train(cfg: DpoConfig, env, out: Path, tracker: Tracker, t_start: float) -> 
           group = [pairs[i].as_rows() for i in order[s:s + cfg.pairs_per_step]]
           batch = dpo_batch(group, micro_batches=cfg.micro_batches, pad_to=length,
                             row_multiple=per_micro * cfg.micro_batches)
-          state, metrics = step_fn(state, with_reference(batch, ref), jax.random.fold_in(key, step))
+          state, metrics = step_fn(state, with_reference(batch, ref), jax.random.fold_in(key, step), score_len)
           step += 1
           bar.update()
           if step % cfg.log_every == 0 or step == total or step == 1:

@@ -71,7 +71,7 @@ from dreamjax.replay.encoder import BackbonePooledEncoder, make_encoder
 from dreamjax.replay.index import make_index
 from dreamjax.replay.retriever import Retriever
 from dreamjax.rl.batch import sft_batch
-from dreamjax.rl.logprobs import LogpScorer
+from dreamjax.rl.logprobs import LogpScorer, score_len_for
 from dreamjax.rl.objectives import make_objective
 from dreamjax.rl.optim import OptimConfig, make_optimizer
 from dreamjax.rl.train_state import create_train_state
@@ -252,6 +252,7 @@ def _train(cfg: ExpSftConfig, out: Path, tracker: Tracker, t0: float) -> dict[st
   scorer = LogpScorer(model_cfg, cfg.eval_batch_size, pad_to=MIN_BUCKET, mesh=mesh)
   decode_subset = data.held_out[: cfg.eval_examples]
   buckets = length_buckets(cfg.max_len)
+  score_len = score_len_for([e.loss_mask for e in data.train])  # one compilation per length bucket
   key = jax.random.key(cfg.seed)
   history: list[dict[str, Any]] = []
   train_tokens = 0
@@ -262,7 +263,7 @@ def _train(cfg: ExpSftConfig, out: Path, tracker: Tracker, t0: float) -> dict[st
       width = next(b for b in buckets if b >= max(len(e.ids) for e in examples))
       batch = sft_batch([e.ids for e in examples], [e.loss_mask for e in examples], pad_to=width,
                         row_multiple=cfg.batch_size)
-      state, metrics = step_fn(state, batch, jax.random.fold_in(key, step))
+      state, metrics = step_fn(state, batch, jax.random.fold_in(key, step), score_len)
       train_tokens += int(sum(len(e.ids) for e in examples))
       bar.update()
       # The last step's evaluation is the final one below, over every held-out example.

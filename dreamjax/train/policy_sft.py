@@ -61,6 +61,7 @@ from dreamjax.parallel import (
     to_host,
 )
 from dreamjax.rl.batch import sft_batch
+from dreamjax.rl.logprobs import score_len_for
 from dreamjax.rl.objectives import make_objective
 from dreamjax.rl.optim import OptimConfig, make_optimizer
 from dreamjax.rl.train_state import create_train_state
@@ -262,6 +263,7 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, out: Path, tracker: Track
   steps_per_epoch = math.ceil(len(rows) / cfg.batch_size)
   total = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * steps_per_epoch
   length = padded_length(rows, cfg.pad_to)
+  score_len = score_len_for([r.loss_mask for r in rows])  # one compilation for every batch
   demonstrated = {row.episode_id for row in rows}
   demo_tasks = training_tasks([r for r in records if r.episode_id in demonstrated], cfg.eval.train_tasks)
   evaluator = Evaluator(model_cfg, tokenizer, cfg.agent, cfg.rollout, cfg.env, cfg.env_kwargs, cfg.eval, demo_tasks,
@@ -281,7 +283,7 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, out: Path, tracker: Track
             break
           batch = sft_batch([r.ids for r in batch_rows], [r.loss_mask for r in batch_rows], pad_to=length,
                             row_multiple=cfg.batch_size)
-          state, metrics = step_fn(state, batch, jax.random.fold_in(key, step))
+          state, metrics = step_fn(state, batch, jax.random.fold_in(key, step), score_len)
           step += 1
           bar.update()
           if step % cfg.log_every == 0 or step == total or step == 1:

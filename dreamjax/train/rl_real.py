@@ -324,11 +324,12 @@ class RealEnvRL:
     ref_logp = values = None
     if self.ref_scorer is not None:
       t0 = time.perf_counter()
-      ref_logp, _ = self.ref_scorer(self.ref_params, traj.tokens, None, valid)
+      ref_logp, _ = self.ref_scorer(self.ref_params, traj.tokens, None, valid, mask=traj.loss_mask)
       times["ref_s"] = time.perf_counter() - t0
     if self.value_scorer is not None:
       t0 = time.perf_counter()
-      _, values = self.value_scorer(self.state.params, traj.tokens, None, valid)
+      # GAE reads values on the loss tokens only, and no log-probs: an all-zero mask skips the vocabulary projection.
+      _, values = self.value_scorer(self.state.params, traj.tokens, None, valid, mask=np.zeros_like(valid))
       times["values_s"] = time.perf_counter() - t0
     batch = rl_batch(traj, advantage=cfg.advantage, values=values, ref_logp=ref_logp,
                      invalid_penalty=cfg.invalid_penalty, gamma=cfg.gamma, lam=cfg.lam,

@@ -182,7 +182,8 @@ def bench(base: Path, args, prompts: int, group: int, objective, optim, flops_fn
     synthetic.reset_stats()
     metrics, traj = learner.iteration(synthetic, tasks, it)
     s = synthetic.stats
-    update_flops = flops_fn(cfg, traj.lengths)  # every row is updated (no zero-variance filter)
+    # Every row is updated (no zero-variance filter).
+    update_flops = flops_fn(cfg, traj.lengths, int(np.asarray(traj.loss_mask).sum()))
     steps.append(dict(
         rollout_s=metrics["rollout_s"], policy_sample_s=metrics["sample_s"], exp_s=metrics["env_s"],
         rollout_host_s=metrics["rollout_s"] - metrics["sample_s"] - metrics["env_s"], scoring_s=metrics.get("ref_s", 0.0),

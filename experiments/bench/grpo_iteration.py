@@ -5,8 +5,9 @@ Run: `python experiments/bench/grpo_iteration.py` (standard model of BENCHMARKS.
 takes ~10-20 more to warm-start the DreamGym model) or `... --small --no-dreamgym` (tiny model, under a minute).
 Writes table.md and results.json to --out.
 
-Rows (each: warm-up iterations, which compile, then the median of `--runs` iterations; dreamjax warms up twice, see
-`--warmup`, tunix once, after which its steps are steady):
+Rows (each: `--warmup` iterations, which compile, then the median of `--runs` iterations; rows 1 and 2 have fixed
+shapes, so nothing compiles after the first iteration; the DreamGym row's turn rows vary in length, so a new length
+bucket can still compile in a timed iteration):
 1. `dreamjax GRPO`: tunix's workload on dreamjax's parts, the code path of `dreamjax rl` (`RealEnvRL`): 4 prompts
    x 4 samples of `--prompt-len` random ids, `--new-tokens` new tokens at temperature 1 from the learner's rollout
    sampler (single turn, so no env and no text: prompt ids in, sampled ids and log-probs out), reward = the fraction
@@ -26,12 +27,14 @@ Rows (each: warm-up iterations, which compile, then the median of `--runs` itera
    many M_exp steps ran, so the row says how much of the loop actually happened.
 
 MFU of the update step: model FLOPs / (update seconds x the machine's float32 matmul ceiling). Model FLOPs (PaLM's
-appendix B convention) = 6 x N x tokens + 12 x L x (H x D) x sum over rows of T_row^2, where N counts the matmul
-weights outside the embedding lookup (per layer q: E x HD, k and v: E x KD each, o: HD x E, gate, up and down:
-3 x E x F; plus the LM head E x V; biases, norm scales and the lookup are not matmuls), tokens and T_row count the
-valid tokens of the update's rows (padding is not useful work), and the attention term is QK^T and AV (2 x 2 x T^2 x
-HD per layer forward, x3 with the backward) over full T x T scores. The ceiling is measured in the same run and
-thread setting: the best of a few jitted float32 matmuls (1024^3 and 2048^3).
+appendix B convention, counting the work the loss needs) = 6 x (N_layers x tokens + N_head x loss tokens) + 12 x L x
+(H x D) x sum over rows of T_row^2, where N_layers counts the transformer layers' matmul weights (per layer q: E x HD,
+k and v: E x KD each, o: HD x E, gate, up and down: 3 x E x F; biases, norm scales and the embedding lookup are not
+matmuls), N_head the LM head's E x V, tokens and T_row count the valid tokens of the update's rows (padding is not
+useful work), loss tokens the sampled tokens the loss reads log-probs of (the head's output at prompt positions is
+not needed: dreamjax does not compute it, and a peer that does gets no credit for it), and the attention term is QK^T
+and AV (2 x 2 x T^2 x HD per layer forward, x3 with the backward) over full T x T scores. The ceiling is measured in
+the same run and thread setting: the best of a few jitted float32 matmuls (1024^3 and 2048^3).
 """
 
 from __future__ import annotations
@@ -83,18 +86,20 @@ def even_fraction(ids: np.ndarray) -> float:
   return float(np.mean(np.asarray(ids) % 2 == 0)) if len(ids) else 0.0
 
 
-def matmul_flops(cfg: ModelConfig) -> int:
-  """N: matmul weights outside the embedding lookup (see the module docstring)."""
+def matmul_weights(cfg: ModelConfig) -> tuple[int, int]:
+  """(N_layers, N_head): matmul weights of the transformer layers and of the LM head (see the module docstring)."""
   e, f, hd, kd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
   per_layer = e * hd + 2 * e * kd + hd * e + 3 * e * f
-  return cfg.num_layers * per_layer + e * cfg.vocab_size
+  return cfg.num_layers * per_layer, e * cfg.vocab_size
 
 
-def update_flops(cfg: ModelConfig, row_lengths: Sequence[int]) -> float:
-  """Model FLOPs of one update (forward + backward) over rows of these valid lengths (module docstring)."""
+def update_flops(cfg: ModelConfig, row_lengths: Sequence[int], loss_tokens: int) -> float:
+  """Model FLOPs of one update (forward + backward) over rows of these valid lengths with `loss_tokens` scored
+  tokens in all (module docstring)."""
   lengths = np.asarray(row_lengths, np.float64)
+  layers, head = matmul_weights(cfg)
   attention = 12.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * float(np.sum(lengths ** 2))
-  return 6.0 * matmul_flops(cfg) * float(lengths.sum()) + attention
+  return 6.0 * (layers * float(lengths.sum()) + head * float(loss_tokens)) + attention
 
 
 def matmul_ceiling(sizes: Sequence[int] = (1024, 2048), repeats: int = 5) -> float:
@@ -170,7 +175,7 @@ def bench_dreamjax_grpo(folder: Path, args) -> dict:
     t2 = time.perf_counter()
     metrics = learner.update(batch, np.arange(rows), it)
     t3 = time.perf_counter()
-    flops = update_flops(model_cfg, np.asarray(batch.valid).sum(-1)[:rows])
+    flops = update_flops(model_cfg, np.asarray(batch.valid).sum(-1)[:rows], int(np.asarray(batch.loss_mask).sum()))
     steps.append(dict(rollout_s=t1 - t0, scoring_s=t2 - t1, update_s=t3 - t2, total_s=t3 - t0,
                       loss=metrics["loss"], kl=metrics.get("kl"), mean_reward=float(traj.reward.mean())))
     log(f"[dreamjax GRPO] iteration {it}: " + ", ".join(f"{k} {steps[-1][k]:.2f}" for k in PHASES))
@@ -229,9 +234,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--small", action="store_true", help="tiny model (seconds; the test uses it)")
   p.add_argument("--runs", type=int, default=3, help="timed iterations after the warm-up; medians reported")
-  # Two: loaded parameters carry NamedSharding P(None, ...) and the first donated update returns P(), which jit keys
-  # apart, so the sampler and the update compile again in the second iteration (reported to the lead).
-  p.add_argument("--warmup", type=int, default=2, help="dreamjax warm-up iterations (compilation), not timed")
+  p.add_argument("--warmup", type=int, default=1, help="dreamjax warm-up iterations (compilation), not timed")
   p.add_argument("--prompt-len", type=int, default=None, help="prompt ids per row (default 128; 16 with --small)")
   p.add_argument("--new-tokens", type=int, default=None, help="new tokens per row (default 64; 16 with --small)")
   p.add_argument("--threads", type=int, default=2, help="CPUs for every contender; 0 leaves the affinity alone")
