@@ -286,6 +286,8 @@ def activation_bytes(cfg: ModelConfig, rows: int, length: int, sizes: Mapping[st
     kept = cfg.num_layers * embed + 2 * layer
   else:
     kept = cfg.num_layers * (embed + _dots_per_token(cfg, sizes, rules)) + 2 * layer
+  # Logits of every position: the bound for a loss over whole rows; the update projects only the loss tokens
+  # (token_logps' score_mask), so RL rows with long prompts need less than this.
   return tokens * (kept + 3 * embed) + recomputed + 4 * _logits_bytes(cfg, rows, length, sizes, rules) + \
       _gathered_layer_bytes(cfg, sizes, rules)
 
