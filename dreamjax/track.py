@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from dreamjax.train.run import MetricsLog, read_metrics
+from dreamjax.train.run import MetricsLog, plain_values, read_metrics
 
 WANDB_MODES = ("off", "online", "offline")
 _PLOT_COLOURS = ("#2060c0", "#e08020", "#20a040", "#c02040", "#8040c0", "#606060")
@@ -170,8 +170,8 @@ class Tracker:
     e.g. evaluations). Returns the row as written."""
     if jsonl and self._log is not None:
       row = self._log.log(step, metrics, **extra)
-    else:
-      row = {"step": int(step), **extra, **metrics}
+    else:  # the same values as a written row (every process returns what process 0 writes)
+      row = {"step": int(step), **extra, **plain_values(metrics)}
     if self._wandb is not None:
       self._wandb.log(_flat_scalars({k: v for k, v in row.items() if k != "step"}), step=int(step))
     return row

@@ -2,8 +2,9 @@
 
 Each process is started with 4 fake CPU devices; every command joins them (through `DistributedConfig`'s environment
 variables, as a launcher would set them) into one 8-device mesh. Both run the same program on the same seeds and
-data, three commands in a row (one start-up and one `jax.distributed` cluster for all of them):
+data, four commands in a row (one start-up and one `jax.distributed` cluster for all of them):
 1. `dreamjax train-exp` (`exp_config`): M_exp SFT on the warm start's offline data, into OUT_ROOT/exp;
+1b. `dreamjax train-policy` (`policy_config`): three SFT steps of the warm start on that data, into OUT_ROOT/policy;
 2. `dreamjax rl` (`dist_config`): two GRPO iterations on real TextWorld-Express, into OUT_ROOT/run;
 3. `dreamjax dreamgym` (`dreamgym_config`): two GRPO iterations inside the experience model of 1. (the
    single-process reference waits for it and uses it too), with the curriculum, M_task and replay write-back,
@@ -17,7 +18,7 @@ code, which the hooks do not see).
 
 The config functions are the test's only configs: the distributed runs and the single-process references use them.
 
-`reference` runs the same three commands in one process on 8 devices: the test's single-process references.
+`reference` runs the same four commands in one process on 8 devices: the test's single-process references.
 
 `helpers` checks the host-side helpers of `dreamjax.parallel` across the two processes, without a model, and that a
 mesh leaving a process out is refused with a clear error.
@@ -47,6 +48,7 @@ from dreamjax.rollout.engine import RolloutConfig
 from dreamjax.track import TrackConfig
 from dreamjax.train.dreamgym import CurriculumConfig, DreamGymConfig
 from dreamjax.train.exp_sft import ExpSftConfig
+from dreamjax.train.policy_sft import EvalConfig, PolicySftConfig
 from dreamjax.train.rl_real import RLConfig, TaskSpec
 from dreamjax.train.run import ModelSource
 
@@ -89,6 +91,15 @@ def dreamgym_config(warm_start: str | Path, data: str | Path, exp_model: str | P
                                                     variants_per_seed=2, max_new_tokens=24, lam=0.5,
                                                     min_variance=-1.0),
                         out_dir=str(out))
+
+
+def policy_config(warm_start: str | Path, data: str | Path, out: str | Path) -> PolicySftConfig:
+  """A few behaviour-cloning steps of the warm start on its own offline data, rows over all 8 devices; no
+  evaluation (the rl run evaluates in the real env)."""
+  return PolicySftConfig(data=(str(data),), env_kwargs=("step_limit=10",), agent=FMT, rollout=ROLLOUT,
+                         model=ModelSource(checkpoint=str(warm_start)), optim=OptimConfig(lr=1e-3), batch_size=8,
+                         max_steps=3, log_every=1, eval=EvalConfig(num_tasks=0), mesh=MeshConfig(data=2, fsdp=4),
+                         out_dir=str(out), track=TrackConfig(progress=False))
 
 
 def _writes(root: Path) -> list[tuple[str, str]]:
@@ -144,9 +155,11 @@ def main(warm: str, data: str, root: str, report: str) -> None:
   from dreamjax.parallel import is_primary
   from dreamjax.train.dreamgym import run as dreamgym
   from dreamjax.train.exp_sft import run as train_exp
+  from dreamjax.train.policy_sft import run as train_policy
   from dreamjax.train.rl_real import run as rl
 
   result = {"train_exp": {"summary": train_exp(exp_config(data, out / "exp"))},
+            "train_policy": {"summary": train_policy(policy_config(warm, data, out / "policy"))},
             "rl": {"summary": rl(dist_config(warm, out / "run"))}}
   exp_model = result["train_exp"]["summary"]["checkpoint"]
   result["dreamgym"] = {"summary": dreamgym(dreamgym_config(warm, data, exp_model, out / "dreamgym"))}
@@ -159,18 +172,21 @@ def main(warm: str, data: str, root: str, report: str) -> None:
 
 
 def reference(warm: str, data: str, root: str, dist_root: str, report: str) -> None:
-  """The single-process references of `main`'s three commands (one process, 8 devices, same configs), into
-  ROOT/{exp,run,dreamgym}. Its DreamGym run waits for the cluster's M_exp (DIST_ROOT/exp), so both DreamGym runs use
+  """The single-process references of `main`'s four commands (one process, 8 devices, same configs), into
+  ROOT/{exp,policy,run,dreamgym}. Its DreamGym run waits for the cluster's M_exp (DIST_ROOT/exp), so both DreamGym runs use
   the same experience model; the test kills this process if the cluster fails first."""
   import time
 
   from dreamjax.train.dreamgym import run as dreamgym
   from dreamjax.train.exp_sft import META_FILE
   from dreamjax.train.exp_sft import run as train_exp
+  from dreamjax.train.policy_sft import run as train_policy
   from dreamjax.train.rl_real import run as rl
 
   out = Path(root)
-  result = {"train_exp": train_exp(exp_config(data, out / "exp")), "rl": rl(dist_config(warm, out / "run"))}
+  result = {"train_exp": train_exp(exp_config(data, out / "exp")),
+            "train_policy": train_policy(policy_config(warm, data, out / "policy")),
+            "rl": rl(dist_config(warm, out / "run"))}
   exp_model = Path(dist_root) / "exp" / "checkpoint"
   while True:  # process 0 writes exp_model.json last
     try:

@@ -1,17 +1,17 @@
 """Multi-process runs: `dreamjax.parallel.distributed` settings, and training commands over two JAX processes.
 
 The two-process runs start two local processes (tests/distributed_child.py), 4 fake CPU devices each, joined by
-`jax.distributed` (gloo collectives) into one 8-device mesh (data=2 x fsdp=4, so batch rows and weights are split
-across the processes). They run, one after the other in the same processes: a few M_exp SFT steps (`train-exp`), two
-GRPO iterations on real TextWorld-Express from a behaviour-cloned warm start (`rl`), and two DreamGym GRPO iterations
-inside an experience model with the curriculum, M_task and replay write-back (`dreamgym`). Meanwhile a third child
-runs the same three configs alone on 8 fake devices (its DreamGym run waits for the cluster's M_exp, so both DreamGym
-runs use the same experience model). Every child keeps a persistent compilation cache, which only saves compile
-time (the dreamgym policy's programs are the rl run's). Checked: both processes finish and agree (summaries,
-checkpoint metadata, checkpoint arrays); process 1 writes nothing in the run folders (the replay buffer included: it
-only reads it) but its own orbax array-metadata files; and the distributed runs equal the single-process ones:
-rollouts, rewards, M_exp's answers, the replay buffer, the task pool and evaluations exactly, update metrics and final
-parameters to float32 rounding (not bit for bit: the cross-process all-reduces sum in another order than the
+`jax.distributed` (gloo collectives) into one 8-device mesh (data=2 x fsdp=4, so batch rows and weights are split across
+the processes). They run, one after the other in the same processes: a few M_exp SFT steps (`train-exp`), three policy
+SFT steps (`train-policy`), two GRPO iterations on real TextWorld-Express from a behaviour-cloned warm start (`rl`), and
+two DreamGym GRPO iterations inside an experience model with the curriculum, M_task and replay write-back (`dreamgym`).
+Meanwhile a third child runs the same four configs alone on 8 fake devices (its DreamGym run waits for the cluster's
+M_exp, so both DreamGym runs use the same experience model). Every child keeps a persistent compilation cache, which
+only saves compile time (the dreamgym policy's programs are the rl run's). Checked: both processes finish and agree
+(summaries, checkpoint metadata, checkpoint arrays); process 1 writes nothing in the run folders (the replay buffer
+included: it only reads it) but its own orbax array-metadata files; and the distributed runs equal the single-process
+ones: rollouts, rewards, M_exp's answers, the replay buffer, the task pool and evaluations exactly, update metrics and
+final parameters to float32 rounding (not bit for bit: the cross-process all-reduces sum in another order than the
 in-process ones).
 
 A lighter pair of children checks the host-side helpers across processes without a model: placing and gathering
@@ -294,7 +294,7 @@ def test_both_processes_finish_and_agree(runs):
   assert [r["process_index"] for r in reports] == [0, 1] and [r["primary"] for r in reports] == [True, False]
   assert all(r["process_count"] == 2 and r["devices"] == 8 and r["local_devices"] == 4 for r in reports)
   a, b = reports
-  for command in ("train_exp", "rl", "dreamgym"):  # evaluations, transitions, the tracker's run id
+  for command in ("train_exp", "train_policy", "rl", "dreamgym"):  # evaluations, transitions, the tracker's run id
     assert _untimed(a[command]["summary"]) == _untimed(b[command]["summary"]), command
   for command in ("rl", "dreamgym"):
     assert a[command]["meta"] == b[command]["meta"] and a[command]["meta"]["iteration"] == 2, command
@@ -326,6 +326,8 @@ def test_only_process_0_writes_the_run_folders(runs):
     assert [r["iteration"] for r in read_metrics(out / run / "evals.jsonl")] == [0, 2]
     assert _files(out / run) == _files(single / run)
   assert _files(out / "exp") == _files(single / "exp")
+  assert [r["step"] for r in read_metrics(out / "policy" / "metrics.jsonl")] == [1, 2, 3]
+  assert _files(out / "policy") == _files(single / "policy")
 
 
 # Metrics computed from the update's arithmetic (float32 sums whose order differs across processes); everything else
@@ -428,3 +430,22 @@ def test_train_exp_equals_the_single_process_run(runs):
   assert dist_meta.pop("encoder_folder") == str(out / "exp" / "init")
   assert single_meta.pop("encoder_folder") == str(single / "init") and dist_meta == single_meta
   _same_params(out / "exp" / "checkpoint", single / "checkpoint", single / "init")
+
+
+def test_train_policy_equals_the_single_process_run(runs, warm_start):
+  """Policy SFT with its rows split over both processes: the same losses to float32 rounding, the same rows and
+  compilations, and the same final weights."""
+  (a, _), out, single = runs
+  summary = json.loads((single / "policy" / "summary.json").read_text())
+  same = ("rows", "steps", "epochs", "row_length", "compilations", "eval")
+  assert {k: a["train_policy"]["summary"][k] for k in same} == {k: summary[k] for k in same}
+  assert a["train_policy"]["summary"]["steps"] == 3 and summary["compilations"] == 1
+  for k in ("first_loss", "final_loss"):
+    np.testing.assert_allclose(a["train_policy"]["summary"][k], summary[k], rtol=1e-5, err_msg=k)
+  dist_rows, single_rows = (read_metrics(d / "policy" / "metrics.jsonl") for d in (out, single))
+  for d, s in zip(dist_rows, single_rows, strict=True):
+    d, s = _untimed(d), _untimed(s)
+    assert d.keys() == s.keys()
+    for k in d:
+      np.testing.assert_allclose(d[k], s[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  _same_params(out / "policy" / "checkpoint", single / "policy" / "checkpoint", warm_start)

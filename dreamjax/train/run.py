@@ -49,16 +49,22 @@ class MetricsLog:
     self._start = time.time()
 
   def log(self, step: int, metrics: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
-    row = {"step": int(step), "time_s": round(time.time() - self._start, 3), **extra}
-    for k, v in metrics.items():
-      v = np.asarray(v)
-      row[k] = v.item() if v.ndim == 0 else v.tolist()
+    row = {"step": int(step), "time_s": round(time.time() - self._start, 3), **extra, **plain_values(metrics)}
     self._file.write(json.dumps(row, sort_keys=True) + "\n")
     self._file.flush()
     return row
 
   def close(self) -> None:
     self._file.close()
+
+
+def plain_values(metrics: Mapping[str, Any]) -> dict[str, Any]:
+  """Metrics (arrays, NumPy or Python scalars) as Python numbers and lists, as a JSON row holds them."""
+  out = {}
+  for k, v in metrics.items():
+    v = np.asarray(v)
+    out[k] = v.item() if v.ndim == 0 else v.tolist()
+  return out
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
