@@ -17,7 +17,7 @@ Use:   dreamjax train-exp --config configs/train_exp_twx.py --set annotations=ru
 
 import dataclasses
 
-from dreamjax.experience.annotate_run import AnnotateConfig
+from dreamjax.commands.annotate import AnnotateConfig
 
 
 def config() -> AnnotateConfig:

@@ -11,8 +11,8 @@ The full tiny comparison (DPO, PPO, S2R, ablations, three seeds): configs/reprod
 import dataclasses
 from pathlib import Path
 
+from dreamjax.commands.reproduce import ReproduceConfig
 from dreamjax.config import load_config
-from dreamjax.reproduce import ReproduceConfig
 
 
 def config() -> ReproduceConfig:

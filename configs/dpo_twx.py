@@ -21,12 +21,12 @@ makes most random runs fail), then
        dreamjax dpo --config configs/dpo_twx.py:tiny
 """
 
+from dreamjax.commands.dpo import DpoConfig
+from dreamjax.loop.evaluate import EvalConfig
+from dreamjax.loop.policy_data import PairConfig
 from dreamjax.rl.optim import OptimConfig
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
-from dreamjax.train.dpo import DpoConfig
-from dreamjax.train.policy_data import PairConfig
-from dreamjax.train.policy_sft import EvalConfig
 
 
 def config() -> DpoConfig:

@@ -4,7 +4,7 @@ Needs three earlier runs (their outputs are the paths below): offline data (conf
 model trained on it (configs/train_exp_twx.py) and the policy SFT warm start (configs/train_policy_twx.py).
 
 Run:   dreamjax dreamgym --config configs/dreamgym_twx.py
-Ablations (PAPER.md): --set replay=false | --set curriculum.enabled=false | an M_exp trained with
+Ablations (docs/paper_map.md): --set replay=false | --set curriculum.enabled=false | an M_exp trained with
        --set format.reasoning=false given as --set exp_model=... --set reasoning=false
 PPO:   --set rl.algorithm=ppo --set rl.advantage=gae_turn --set rl.objective.vf_coef=0.5
 Tiny (CPU): collect the small coin dataset and train the tiny M_exp as configs/train_exp_twx.py's docstring says, the
@@ -15,9 +15,10 @@ Tiny (CPU): collect the small coin dataset and train the tiny M_exp as configs/t
 import dataclasses
 from pathlib import Path
 
+from dreamjax.commands.dreamgym import DreamGymConfig
 from dreamjax.config import load_config
-from dreamjax.train.dreamgym import CurriculumConfig, DreamGymConfig
-from dreamjax.train.rl_real import TaskSpec
+from dreamjax.curriculum.source import CurriculumConfig
+from dreamjax.loop.learner import TaskSpec
 
 _GRPO = str(Path(__file__).with_name("grpo_real_twx.py"))  # the real-env GRPO config: same policy side
 COIN_TINY = "numLocations=2, includeDoors=0, numDistractorItems=0"  # the tiny M_exp's games

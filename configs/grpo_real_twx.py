@@ -2,7 +2,7 @@
 
 Each iteration rolls out G = 8 episodes of each of B = 16 training tasks in the real env, normalises every
 episode's outcome reward within its group, and takes clipped policy-gradient steps with a low-variance KL to the
-frozen warm start (verl-agent's defaults, PAPER.md "RL"); held-out success (with a 95% interval) every 10 iterations.
+frozen warm start (verl-agent's defaults, docs/paper_map.md, "RL"); held-out success (with a 95% interval) every 10 iterations.
 
 SFT:   dreamjax train-policy --config configs/train_policy_twx.py            (runs/policy_sft/twx/checkpoint)
 Run:   dreamjax rl --config configs/grpo_real_twx.py
@@ -14,13 +14,13 @@ experiments/learning_twx.py runs the tiny variants of this and configs/ppo_real_
 
 import dataclasses
 
+from dreamjax.loop.learner import RLConfig, TaskSpec
+from dreamjax.loop.model import ModelSource
 from dreamjax.models import tiny as tiny_model
 from dreamjax.rl.objectives import PolicyGradientConfig
 from dreamjax.rl.optim import OptimConfig
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
-from dreamjax.train.rl_real import RLConfig, TaskSpec
-from dreamjax.train.run import ModelSource
 
 COIN_TINY = "numLocations=2, includeDoors=0"
 

@@ -14,9 +14,9 @@ import dataclasses
 import importlib.util
 from pathlib import Path
 
+from dreamjax.loop.learner import RLConfig
 from dreamjax.rl.objectives import PolicyGradientConfig
 from dreamjax.rl.optim import OptimConfig
-from dreamjax.train.rl_real import RLConfig
 
 # The GRPO config's env, tasks, agent format and budgets, loaded by path (configs/ is not a package).
 _spec = importlib.util.spec_from_file_location("grpo_real_twx", Path(__file__).with_name("grpo_real_twx.py"))

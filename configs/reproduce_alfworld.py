@@ -1,8 +1,8 @@
-"""The paper's main comparison on ALFWorld (games generated locally, ../shared/ENVIRONMENTS.md): data, M_exp, SFT,
+"""The paper's main comparison on ALFWorld (games generated locally by dreamjax/envs/alfworld_games.py): data, M_exp, SFT,
 DPO, real-env PPO/GRPO, DreamGym, DreamGym-S2R and the component ablations, each RL method over three seeds, one table.
 
 The stages are those of configs/reproduce_twx.py (same models, optimisers and RL settings), pointed at ALFWorld by
-`dreamjax.reproduce.on_env`: its six task types, 50-step episodes (as verl-agent and the paper), train games from
+`dreamjax.commands.reproduce.on_env`: its six task types, 50-step episodes (as verl-agent and the paper), train games from
 ALFRED's training floor plans, held-out games from its held-out ones, and the paper's offline mix (expert demos plus
 oracle/random runs, configs/collect_alfworld.py).
 
@@ -14,10 +14,10 @@ Rerunning a command resumes it: finished stages are reused. Results: <out_dir>/r
 import dataclasses
 from pathlib import Path
 
+from dreamjax.commands.reproduce import ReproduceConfig, for_slow_env, on_env
 from dreamjax.config import load_config
-from dreamjax.reproduce import ReproduceConfig, for_slow_env, on_env
+from dreamjax.loop.learner import TaskSpec
 from dreamjax.rollout.agent import AgentFormat
-from dreamjax.train.rl_real import TaskSpec
 
 HERE = Path(__file__).parent
 TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",

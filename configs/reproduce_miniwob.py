@@ -1,10 +1,10 @@
-"""The paper's main comparison on MiniWoB++ (BrowserGym on Debian's Chromium, ../shared/ENVIRONMENTS.md): data, M_exp,
+"""The paper's main comparison on MiniWoB++ (BrowserGym on Debian's Chromium, dreamjax/envs/miniwob.py): data, M_exp,
 SFT, DPO, real-env PPO/GRPO, DreamGym, DreamGym-S2R and the component ablations, each RL method over three seeds, one
 table. MiniWoB stands in for the paper's WebShop here: the same kind of page state (a list of `[id] type: text`
 elements) and click/type actions, runnable offline.
 
 The stages are those of configs/reproduce_twx.py (same models, optimisers and RL settings), pointed at MiniWoB by
-`dreamjax.reproduce.on_env`: the ten tasks with scripted experts (configs/collect_miniwob.py), 15-step episodes (the
+`dreamjax.commands.reproduce.on_env`: the ten tasks with scripted experts (configs/collect_miniwob.py), 15-step episodes (the
 paper's web step limit), train pages from seeds 0.., held-out pages from seeds 1,000,000.. (never trained on).
 
 Run:   dreamjax reproduce --config configs/reproduce_miniwob.py          (accelerator; set the model checkpoints)
@@ -15,10 +15,10 @@ Rerunning a command resumes it: finished stages are reused. Results: <out_dir>/r
 import dataclasses
 from pathlib import Path
 
+from dreamjax.commands.reproduce import ReproduceConfig, for_slow_env, on_env
 from dreamjax.config import load_config
-from dreamjax.reproduce import ReproduceConfig, for_slow_env, on_env
+from dreamjax.loop.learner import TaskSpec
 from dreamjax.rollout.agent import AgentFormat
-from dreamjax.train.rl_real import TaskSpec
 
 HERE = Path(__file__).parent
 

@@ -10,12 +10,12 @@ Rerunning a command resumes it: finished stages are reused. Results: <out_dir>/r
 import dataclasses
 from pathlib import Path
 
+from dreamjax.commands.eval import EvalRunConfig
+from dreamjax.commands.reproduce import ReproduceConfig
 from dreamjax.config import load_config
 from dreamjax.data.collect import CollectConfig
-from dreamjax.reproduce import ReproduceConfig
-from dreamjax.train.eval_run import EvalRunConfig
-from dreamjax.train.policy_sft import EvalConfig
-from dreamjax.train.rl_real import TaskSpec
+from dreamjax.loop.evaluate import EvalConfig
+from dreamjax.loop.learner import TaskSpec
 
 HERE = Path(__file__).parent
 

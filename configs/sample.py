@@ -6,8 +6,8 @@ Tiny (CPU, seconds): a smaller 2-layer model, 4 rows of 16 new tokens:
        dreamjax sample --config configs/sample.py:tiny
 """
 
+from dreamjax.commands.sample import SampleConfig
 from dreamjax.models import tiny as tiny_model
-from dreamjax.sample_report import SampleConfig
 
 
 def config() -> SampleConfig:

@@ -14,12 +14,12 @@ from scratch on it:
 
 import dataclasses
 
+from dreamjax.commands.train_exp import ExpSftConfig
 from dreamjax.experience.format import ExpFormatConfig
+from dreamjax.loop.model import ModelSource
 from dreamjax.models import tiny as tiny_model
 from dreamjax.parallel import MeshConfig
 from dreamjax.rl.optim import OptimConfig
-from dreamjax.train.exp_sft import ExpSftConfig
-from dreamjax.train.run import ModelSource
 
 
 def config() -> ExpSftConfig:

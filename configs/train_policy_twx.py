@@ -17,13 +17,14 @@ The output folder's `checkpoint/` is the warm start for `dreamjax rl` (model.che
 (configs/dpo_twx.py); `summary.json` holds the held-out success with its 95% interval.
 """
 
+from dreamjax.commands.train_policy import PolicySftConfig
+from dreamjax.loop.evaluate import EvalConfig
+from dreamjax.loop.model import ModelSource
+from dreamjax.loop.policy_data import RowConfig
 from dreamjax.models import tiny as tiny_model
 from dreamjax.rl.optim import OptimConfig
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
-from dreamjax.train.policy_data import RowConfig
-from dreamjax.train.policy_sft import EvalConfig, PolicySftConfig
-from dreamjax.train.run import ModelSource
 
 COIN_TINY = "numLocations=2, includeDoors=0"
 

@@ -12,22 +12,22 @@ from dreamjax.config import load_config
 # command -> (help, "module:function taking the config"); modules are imported only when their command runs.
 COMMANDS = {
     "reproduce": ("the paper's comparison end to end (data, M_exp, SFT, baselines, DreamGym, S2R, ablations) and its "
-                  "table; `make demo` runs its tiny default", "dreamjax.reproduce:run"),
+                  "table; `make demo` runs its tiny default", "dreamjax.commands.reproduce:run"),
     "collect": ("run expert/random/eps policies on a real env; write trajectories (JSONL, TFDS) and a summary",
-                "dreamjax.data.collect:run"),
+                "dreamjax.commands.collect:run"),
     "annotate": ("write per-step reasoning and task tutorials for collected trajectories (rule-based, or a teacher LLM "
-                 "behind an OpenAI-compatible endpoint); resumable", "dreamjax.experience.annotate_run:run"),
+                 "behind an OpenAI-compatible endpoint); resumable", "dreamjax.commands.annotate:run"),
     "train-exp": ("train the experience model (SFT, Eq. 5) on offline trajectories; report its fidelity",
-                  "dreamjax.train.exp_sft:run"),
+                  "dreamjax.commands.train_exp:run"),
     "train-policy": ("behaviour-clone a policy on expert trajectories (the SFT baseline and RL warm start)",
-                     "dreamjax.train.policy_sft:run"),
-    "dpo": ("DPO on successful vs failed trajectories of the same tasks (baseline)", "dreamjax.train.dpo:run"),
-    "rl": ("PPO or GRPO against a real environment, with periodic held-out evaluation", "dreamjax.train.rl_real:run"),
+                     "dreamjax.commands.train_policy:run"),
+    "dpo": ("DPO on successful vs failed trajectories of the same tasks (baseline)", "dreamjax.commands.dpo:run"),
+    "rl": ("PPO or GRPO against a real environment, with periodic held-out evaluation", "dreamjax.commands.rl:run"),
     "dreamgym": ("PPO or GRPO inside the experience model (curriculum, replay write-back), evaluated on the real env",
-                 "dreamjax.train.dreamgym:run"),
+                 "dreamjax.commands.dreamgym:run"),
     "eval": ("a policy checkpoint's held-out success on a real env (greedy, optionally sampled)",
-             "dreamjax.train.eval_run:run"),
-    "sample": ("sample a batch from a (tiny or real) checkpoint and report tokens/s", "dreamjax.sample_report:run"),
+             "dreamjax.commands.eval:run"),
+    "sample": ("sample a batch from a (tiny or real) checkpoint and report tokens/s", "dreamjax.commands.sample:run"),
 }
 
 

@@ -1,7 +1,7 @@
 """Fidelity of the experience model and its ablations on held-out real trajectories (issue 4, item 7).
 
 For the full format and each ablation (no reasoning, no history, no retrieval), M_exp is trained with
-`dreamjax.train.exp_sft` (--train) or loaded from given checkpoints (--checkpoints name=folder,...; folders written by
+`dreamjax.commands.train_exp` (--train) or loaded from given checkpoints (--checkpoints name=folder,...; folders written by
 exp_sft, whose exp_model.json gives the format), then scored on the held-out tasks of the config's split by
 `dreamjax.experience.fidelity`: teacher-forced one step (exact match, token F1, reward/success/done/invalid accuracy
 with precision and recall, parse failures, eps_R, the sampled and teacher-forced eps_P estimates, NLL by region) and
@@ -25,22 +25,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dreamjax.commands.train_exp import ExpSftConfig, load_annotation_files, run
 from dreamjax.config import load_config
+from dreamjax.data.records import read_trajectory_files as load_records
+from dreamjax.experience.exp_model import META_FILE
+from dreamjax.experience.exp_model import exp_retriever as make_retriever
 from dreamjax.experience.fidelity import MIN_BUCKET, Predictor, one_step, open_loop
 from dreamjax.experience.format import ExpFormatConfig
 from dreamjax.experience.sft_data import ExampleBuilder, annotations_for, build_examples, split_by_task
+from dreamjax.loop.config import run_mesh as mesh_of
+from dreamjax.loop.model import load_model
 from dreamjax.replay.transition import from_trajectories
 from dreamjax.rl.logprobs import LogpScorer
-from dreamjax.train.exp_sft import (
-    META_FILE,
-    ExpSftConfig,
-    load_annotation_files,
-    load_records,
-    make_retriever,
-    mesh_of,
-    run,
-)
-from dreamjax.train.run import load_model
 
 _ON = {"reasoning": True, "history": True, "retrieval": True}
 VARIANTS = {"full": _ON, "no_reasoning": _ON | {"reasoning": False}, "no_history": _ON | {"history": False},
@@ -61,13 +57,13 @@ def evaluate(name: str, checkpoint: Path, base: ExpSftConfig, tv_samples: int, o
   split."""
   meta_path = checkpoint / META_FILE
   if not meta_path.is_file():
-    raise ValueError(f"{checkpoint}: no {META_FILE} (not a checkpoint written by dreamjax.train.exp_sft)")
+    raise ValueError(f"{checkpoint}: no {META_FILE} (not a checkpoint written by dreamjax train-exp)")
   meta = json.loads(meta_path.read_text())
   fmt = ExpFormatConfig(**meta["format"])
   wrong = [k for k, v in VARIANTS[name].items() if getattr(fmt, k) != v]
   if wrong:
     raise ValueError(f"{checkpoint}: trained with {wrong[0]}={getattr(fmt, wrong[0])}, so it is not variant {name!r}")
-  records = load_records(base.trajectories, base.max_episodes)
+  records = load_records(base.trajectories, "trajectories", base.max_episodes)
   notes = annotations_for(records, load_annotation_files(base.annotations))
   train_records, held = split_by_task(records, base.held_out_fraction, base.seed)
   summary_path = checkpoint.parent / "summary.json"
@@ -78,7 +74,7 @@ def evaluate(name: str, checkpoint: Path, base: ExpSftConfig, tv_samples: int, o
                        " held_out_fraction and seed must match the training run)")
   if not held:
     raise ValueError("no held-out episodes: set held_out_fraction > 0")
-  mesh = mesh_of(base.mesh)
+  mesh = mesh_of(base)
   model_cfg, params, tokenizer = load_model(checkpoint, mesh=mesh)
   retriever = None
   if fmt.retrieval and fmt.k:

@@ -2,11 +2,11 @@
 
 Pipeline (every stage through the library's own entry points, all against the real TWX env in this process):
 1. collect expert episodes of coin games (`dreamjax.data.collect`, TWX's train fold; one room by default);
-2. behaviour-clone a tiny policy from scratch on them (`dreamjax.train.policy_sft`, configs/train_policy_twx.py:tiny
+2. behaviour-clone a tiny policy from scratch on them (`dreamjax.commands.train_policy`, configs/train_policy_twx.py:tiny
    with the RL runs' agent format and budgets) for deliberately few steps: its greedy answers are already right, but
    sampled at temperature 1 most of its answers do not parse or name an invalid action;
 3. from that checkpoint, GRPO (configs/grpo_real_twx.py:tiny) and, separately, PPO (configs/ppo_real_twx.py:tiny)
-   against the real env (`dreamjax.train.rl_real`), each evaluated on the same held-out tasks (TWX's dev fold), greedy
+   against the real env (`dreamjax.commands.rl`), each evaluated on the same held-out tasks (TWX's dev fold), greedy
    and sampled at the rollout temperature, before training, every few iterations and at the end.
 Writes to --out: data/, sft/, grpo/, ppo/ (each a run folder with metrics, evals, summary, learning_curve.svg),
 results.md (before/after table with 95% Wilson intervals and real transitions, the curves as tables, and per-task
@@ -36,14 +36,17 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
-from dreamjax.data.collect import CollectConfig, collect, parse_env_kwargs  # noqa: E402
-from dreamjax.envs.base import SerialBatchEnv  # noqa: E402
-from dreamjax.envs.textworld_express import TextWorldExpressEnv  # noqa: E402
-from dreamjax.train import policy_sft, rl_real  # noqa: E402
+from dreamjax.commands import rl as rl_real
+from dreamjax.loop.learner import RLConfig
+from dreamjax.commands import train_policy as policy_sft
 from dreamjax.config import load_config  # noqa: E402
-from dreamjax.train.policy_sft import EvalConfig  # noqa: E402
-from dreamjax.train.rl_real import TaskSpec  # noqa: E402
-from dreamjax.train.run import ModelSource  # noqa: E402
+from dreamjax.data.collect import CollectConfig, collect
+from dreamjax.envs.base import SerialBatchEnv  # noqa: E402
+from dreamjax.envs.registry import parse_env_kwargs
+from dreamjax.envs.textworld_express import TextWorldExpressEnv  # noqa: E402
+from dreamjax.loop.evaluate import EvalConfig
+from dreamjax.loop.learner import TaskSpec
+from dreamjax.loop.model import ModelSource
 
 COIN = "numLocations=1"
 
@@ -64,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   return p.parse_args(argv)
 
 
-def warm_start(args: argparse.Namespace, out: Path, env, rl: rl_real.RLConfig) -> tuple[Path, dict[str, Any]]:
+def warm_start(args: argparse.Namespace, out: Path, env, rl: RLConfig) -> tuple[Path, dict[str, Any]]:
   """Collects demonstrations and behaviour-clones the tiny policy (skipped when its summary exists), with the RL
   runs' agent format and rollout settings, so its rows and its evaluation are laid out as theirs."""
   data = out / "data"
@@ -88,7 +91,7 @@ def warm_start(args: argparse.Namespace, out: Path, env, rl: rl_real.RLConfig) -
   return sft_dir / "checkpoint", json.loads((sft_dir / "summary.json").read_text())
 
 
-def rl_config(algorithm: str, args: argparse.Namespace, checkpoint: Path, out: Path) -> rl_real.RLConfig:
+def rl_config(algorithm: str, args: argparse.Namespace, checkpoint: Path, out: Path) -> RLConfig:
   cfg = load_config(str(ROOT / "configs" / f"{algorithm}_real_twx.py:tiny"), args.set)
   return dataclasses.replace(
       cfg, model=ModelSource(checkpoint=str(checkpoint)), iterations=args.iterations, eval_every=args.eval_every,

@@ -39,18 +39,20 @@ import os
 import sys
 from pathlib import Path
 
+from dreamjax.commands.dreamgym import DreamGymConfig
+from dreamjax.commands.train_exp import ExpSftConfig
+from dreamjax.commands.train_policy import PolicySftConfig
 from dreamjax.config import load_config
+from dreamjax.curriculum.source import CurriculumConfig
+from dreamjax.loop.evaluate import EvalConfig
+from dreamjax.loop.learner import RLConfig, TaskSpec
+from dreamjax.loop.model import ModelSource
+from dreamjax.loop.track import TrackConfig
 from dreamjax.parallel import MeshConfig
 from dreamjax.rl.objectives import PolicyGradientConfig
 from dreamjax.rl.optim import OptimConfig
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
-from dreamjax.track import TrackConfig
-from dreamjax.train.dreamgym import CurriculumConfig, DreamGymConfig
-from dreamjax.train.exp_sft import ExpSftConfig
-from dreamjax.train.policy_sft import EvalConfig, PolicySftConfig
-from dreamjax.train.rl_real import RLConfig, TaskSpec
-from dreamjax.train.run import ModelSource
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,8 +138,8 @@ def _final_checkpoint(folder: Path) -> tuple[dict, dict[str, str]]:
   import jax
   import numpy as np
 
+  from dreamjax.loop.checkpoint import RunCheckpointer
   from dreamjax.parallel import to_host
-  from dreamjax.train.checkpoint import RunCheckpointer
 
   ckpt = RunCheckpointer(folder / "checkpoints")
   arrays, meta = ckpt.restore()
@@ -152,11 +154,11 @@ def main(warm: str, data: str, root: str, report: str) -> None:
   writes = _writes(out)
   import jax
 
+  from dreamjax.commands.dreamgym import run as dreamgym
+  from dreamjax.commands.rl import run as rl
+  from dreamjax.commands.train_exp import run as train_exp
+  from dreamjax.commands.train_policy import run as train_policy
   from dreamjax.parallel import is_primary
-  from dreamjax.train.dreamgym import run as dreamgym
-  from dreamjax.train.exp_sft import run as train_exp
-  from dreamjax.train.policy_sft import run as train_policy
-  from dreamjax.train.rl_real import run as rl
 
   result = {"train_exp": {"summary": train_exp(exp_config(data, out / "exp"))},
             "train_policy": {"summary": train_policy(policy_config(warm, data, out / "policy"))},
@@ -177,11 +179,11 @@ def reference(warm: str, data: str, root: str, dist_root: str, report: str) -> N
   the same experience model; the test kills this process if the cluster fails first."""
   import time
 
-  from dreamjax.train.dreamgym import run as dreamgym
-  from dreamjax.train.exp_sft import META_FILE
-  from dreamjax.train.exp_sft import run as train_exp
-  from dreamjax.train.policy_sft import run as train_policy
-  from dreamjax.train.rl_real import run as rl
+  from dreamjax.commands.dreamgym import run as dreamgym
+  from dreamjax.commands.rl import run as rl
+  from dreamjax.commands.train_exp import run as train_exp
+  from dreamjax.commands.train_policy import run as train_policy
+  from dreamjax.experience.exp_model import META_FILE
 
   out = Path(root)
   result = {"train_exp": train_exp(exp_config(data, out / "exp")),
@@ -204,19 +206,19 @@ def helpers(report: str) -> None:
   import jax
   import numpy as np
 
+  from dreamjax.loop.checkpoint import RunCheckpointer
   from dreamjax.parallel import (
-      TRAIN_RULES,
-      DistributedConfig,
-      barrier,
-      check_same,
-      initialize,
-      is_primary,
-      make_mesh,
-      named_sharding,
-      to_devices,
-      to_host,
+    TRAIN_RULES,
+    DistributedConfig,
+    barrier,
+    check_same,
+    initialize,
+    is_primary,
+    make_mesh,
+    named_sharding,
+    to_devices,
+    to_host,
   )
-  from dreamjax.train.checkpoint import RunCheckpointer
 
   initialize(DistributedConfig())
   initialize(DistributedConfig())  # a second call in the same process is a no-op
@@ -241,12 +243,12 @@ def helpers(report: str) -> None:
   with RunCheckpointer(folder) as ck:
     restored, meta = ck.restore(1, like)
   # Meshes over the first devices leave process 1 out: refused up front, naming the process.
-  from dreamjax.train.dreamgym import PlacementConfig, make_meshes
-  from dreamjax.train.policy_sft import mesh_of
+  from dreamjax.loop.config import run_mesh as mesh_of
+  from dreamjax.loop.dreamgym import PlacementConfig, make_meshes
 
   refused = []
   for make in (lambda: make_meshes(RLConfig(mesh=MeshConfig(data=1, fsdp=4), devices=4), PlacementConfig("split")),
-               lambda: mesh_of(MeshConfig(data=1, fsdp=2), 2)):
+               lambda: mesh_of(RLConfig(mesh=MeshConfig(data=1, fsdp=2), devices=2))):
     try:
       make()
       refused.append("")

@@ -12,12 +12,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from dreamjax.commands.rl import run
+from dreamjax.loop.learner import RLConfig, TaskSpec
+from dreamjax.loop.model import ModelSource
 from dreamjax.rl.objectives import PolicyGradientConfig
 from dreamjax.rl.optim import OptimConfig
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
-from dreamjax.train.rl_real import RLConfig, TaskSpec, run
-from dreamjax.train.run import ModelSource
 
 TWO_ROOMS = "numLocations=2, includeDoors=0"
 FMT = AgentFormat(think=False, history_turns=2, history_token_budget=200)

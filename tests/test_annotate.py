@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from dreamjax.cli import main
+from dreamjax.commands.annotate import AnnotateConfig, collected_step_limit
+from dreamjax.commands.annotate import run as annotate_run
 from dreamjax.data.jsonl import JsonlWriter, PartialRecordWarning
 from dreamjax.data.records import StepRecord, TrajectoryRecord, read_trajectories, transitions
 from dreamjax.envs import alfworld as aw
@@ -19,15 +21,13 @@ from dreamjax.experience.annotate import (
     Annotator,
     annotate_file,
     check_annotation,
-    read_annotations,
     ending,
+    read_annotations,
     rule_annotator,
     success_references,
     write_annotations,
 )
 from dreamjax.experience.annotate_rules import text_fields
-from dreamjax.experience.annotate_run import AnnotateConfig, collected_step_limit
-from dreamjax.experience.annotate_run import run as annotate_run
 from dreamjax.experience.format import ExpFormatConfig, parse_output, transition_target
 
 CONFIG = str(Path(__file__).parent.parent / "configs" / "annotate_twx.py")

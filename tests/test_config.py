@@ -2,8 +2,8 @@
 
 import pytest
 
+from dreamjax.commands.sample import SampleConfig
 from dreamjax.config import apply_override, load_config
-from dreamjax.sample_report import SampleConfig
 
 
 def test_overrides_are_parsed_by_field_type():

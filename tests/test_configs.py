@@ -15,7 +15,7 @@ from dreamjax.cli import COMMANDS, main
 from dreamjax.config import load_config
 
 CONFIGS = Path(__file__).parent.parent / "configs"
-# configs/scale/ holds the real-size variants (dreamjax/parallel/memory.py plans them); names are relative to configs/.
+# configs/scale/ holds the real-size variants (dreamjax/plan/memory.py plans them); names are relative to configs/.
 FILES = sorted(CONFIGS.glob("*.py")) + sorted(CONFIGS.glob("scale/*.py"))
 NO_TINY = {"demo.py"}  # its config() is the tiny run already
 RUN_LINE = re.compile(r"dreamjax ([a-z-]+) --config configs/((?:\w+/)?\w+\.py)(?::(\w+))?")

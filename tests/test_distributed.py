@@ -37,11 +37,11 @@ import pytest
 from safetensors.numpy import load_file
 
 from dreamjax.config import apply_override
+from dreamjax.loop.learner import RLConfig
+from dreamjax.loop.track import read_metrics
 from dreamjax.parallel import DistributedConfig, barrier, initialize, is_primary, make_mesh, to_devices, to_host
 from dreamjax.parallel.distributed import Plan, plan
 from dreamjax.parallel.sharding import TRAIN_RULES, named_sharding
-from dreamjax.train.rl_real import RLConfig
-from dreamjax.train.run import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600  # the whole two-process run; on timeout or failure both children are killed

@@ -1,7 +1,7 @@
 """The DreamGym loop end to end on a tiny scale: real TextWorld-Express data, an M_exp and a policy trained here.
 
 Offline data comes from the real env (`dreamjax.data.collect`); the experience model is trained on it by
-`dreamjax.train.exp_sft` (a few steps: these tests check the loop's bookkeeping, not the model's fidelity, which
+`dreamjax.commands.train_exp` (a few steps: these tests check the loop's bookkeeping, not the model's fidelity, which
 tests/test_exp_sft.py covers); the policy warm start is behaviour-cloned for a few steps. Then short DreamGym runs
 (2 iterations, 2 tasks x 4 rollouts) take the whole path: curriculum draw, rollouts against SyntheticEnv, update,
 replay write-back, curriculum update, M_task generation, and evaluation on the real env.
@@ -16,24 +16,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dreamjax.commands.dreamgym import DreamGymConfig, run
+from dreamjax.commands.train_exp import run as train_exp
 from dreamjax.config import load_config
 from dreamjax.curriculum.pool import TaskPool
+from dreamjax.curriculum.source import CurriculumConfig
 from dreamjax.data.collect import CollectConfig, collect
 from dreamjax.data.records import read_trajectories
 from dreamjax.envs.base import SerialBatchEnv
 from dreamjax.envs.textworld_express import TextWorldExpressEnv
+from dreamjax.experience.exp_model import load_exp_model
+from dreamjax.loop.dreamgym import PlacementConfig, make_meshes
+from dreamjax.loop.learner import RLConfig, TaskSpec
+from dreamjax.loop.model import ModelSource
+from dreamjax.loop.track import read_metrics
 from dreamjax.models import load_hf_checkpoint
+from dreamjax.parallel import MeshConfig, make_mesh
 from dreamjax.replay.buffer import ReplayBuffer
 from dreamjax.rl.objectives import PolicyGradientConfig
 from dreamjax.rl.optim import OptimConfig
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
-from dreamjax.parallel import MeshConfig, make_mesh
-from dreamjax.train.dreamgym import (CurriculumConfig, DreamGymConfig, PlacementConfig, load_exp_model, make_meshes,
-                                     run)
-from dreamjax.train.exp_sft import run as train_exp
-from dreamjax.train.rl_real import RLConfig, TaskSpec
-from dreamjax.train.run import ModelSource, read_metrics
 from tests.warm_start import behaviour_clone
 
 pytest.importorskip("textworld_express")
@@ -208,7 +211,8 @@ def test_bad_settings_are_clear_errors(parts, tmp_path):
 def test_m_exp_may_load_in_bfloat16(parts, tmp_path):
   """exp_dtype: the frozen M_exp holds bfloat16 weights and computes in bfloat16 (half its memory)."""
   cfg = _config(parts, tmp_path, exp_dtype="bfloat16")
-  model_cfg, params, *_ = load_exp_model(cfg, make_mesh(MeshConfig(), jax.devices()[:1]))
+  model_cfg, params, *_ = load_exp_model(cfg.exp_model, reasoning=cfg.reasoning, replay=cfg.replay, dtype=cfg.exp_dtype,
+                                         mesh=make_mesh(MeshConfig(), jax.devices()[:1]))
   assert (model_cfg.dtype, model_cfg.param_dtype) == ("bfloat16", "bfloat16")
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("bfloat16")}
   with pytest.raises(ValueError, match="exp_dtype must be"):

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dreamjax.commands.train_exp import ExpSftConfig, run
+from dreamjax.config import load_config
 from dreamjax.data.collect import CollectConfig, collect
 from dreamjax.data.records import Transition, read_trajectories, transitions
 from dreamjax.experience.fidelity import Predictor, region_logps, score, teacher_forced, token_f1
@@ -24,13 +26,12 @@ from dreamjax.experience.sft_data import (
     corpus,
     split_by_task,
 )
+from dreamjax.loop.model import ModelSource, build_tiny_checkpoint, load_model
+from dreamjax.loop.track import read_metrics
 from dreamjax.models import Transformer, tiny
 from dreamjax.replay.encoder import BackbonePooledEncoder
 from dreamjax.replay.retriever import Retriever
 from dreamjax.rl.logprobs import LogpScorer
-from dreamjax.config import load_config
-from dreamjax.train.exp_sft import ExpSftConfig, run
-from dreamjax.train.run import ModelSource, build_tiny_checkpoint, load_model, read_metrics
 from experiments import exp_model_quality
 
 ROOT = Path(__file__).resolve().parents[1]

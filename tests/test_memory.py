@@ -1,4 +1,4 @@
-"""Memory arithmetic (dreamjax/parallel/memory.py) against what JAX itself reports: parameter trees from
+"""Memory arithmetic (dreamjax/plan/memory.py) against what JAX itself reports: parameter trees from
 `abstract_params`, shard shapes from the rule tables on a real 8-device mesh, optimizer state from `optax` under
 `jax.eval_shape`, KV caches, XLA's compiled temp memory for the update step and the sampler; and the memory tables in
 configs/scale/*.py docstrings, recomputed from the command written above each."""
@@ -21,7 +21,7 @@ from dreamjax.models import abstract_params, param_shardings, tiny
 from dreamjax.models.config import to_hf_config
 from dreamjax.models.transformer import KVCache
 from dreamjax.parallel import SAMPLE_RULES, TRAIN_RULES, MeshConfig, make_mesh, named_sharding
-from dreamjax.parallel import memory
+from dreamjax.plan import memory
 from dreamjax.rl.batch import TokenBatch
 from dreamjax.rl.objectives import Objective, PolicyGradientConfig
 from dreamjax.rl.optim import OptimConfig, make_optimizer

@@ -15,12 +15,8 @@ from dreamjax.config import load_config
 from dreamjax.data.collect import CollectConfig, collect
 from dreamjax.data.records import StepRecord, TrajectoryRecord, read_trajectories
 from dreamjax.envs.base import Task
-from dreamjax.models import tiny
-from dreamjax.rl.optim import OptimConfig
-from dreamjax.rollout.agent import AgentFormat, build_turn_prompt, format_answer, parse_answer
-from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
-from dreamjax.text import train_bpe_tokenizer
-from dreamjax.train.policy_data import (
+from dreamjax.loop.model import ModelSource
+from dreamjax.loop.policy_data import (
     PairConfig,
     RowConfig,
     policy_texts,
@@ -28,7 +24,12 @@ from dreamjax.train.policy_data import (
     preference_pairs,
     sft_rows,
 )
-from dreamjax.train.run import ModelSource, read_metrics
+from dreamjax.loop.track import read_metrics
+from dreamjax.models import tiny
+from dreamjax.rl.optim import OptimConfig
+from dreamjax.rollout.agent import AgentFormat, build_turn_prompt, format_answer, parse_answer
+from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
+from dreamjax.text import train_bpe_tokenizer
 
 COIN = "numLocations=2, includeDoors=0"
 FMT = AgentFormat(think=False, history_turns=3, history_token_budget=256)
@@ -181,7 +182,8 @@ def test_dpo_pairing_is_deterministic_capped_and_per_task(tok):
 
 @pytest.fixture(scope="module")
 def sft_run(collected, twx, tmp_path_factory):
-  from dreamjax.train.policy_sft import EvalConfig, PolicySftConfig, run
+  from dreamjax.commands.train_policy import PolicySftConfig, run
+  from dreamjax.loop.evaluate import EvalConfig
 
   path, _ = collected
   cfg = PolicySftConfig(  # every row in each batch (one step per epoch), as in test_rollout's fine-tuned policy
@@ -209,8 +211,8 @@ def test_sft_learns_to_act_in_the_real_env(sft_run):
 
 
 def test_dpo_from_the_sft_checkpoint_raises_the_margin(sft_run, collected, twx, tmp_path):
-  from dreamjax.train.dpo import DpoConfig, run
-  from dreamjax.train.policy_sft import EvalConfig
+  from dreamjax.commands.dpo import DpoConfig, run
+  from dreamjax.loop.evaluate import EvalConfig
 
   sft_cfg, sft_summary = sft_run
   path, records = collected
@@ -229,7 +231,8 @@ def test_dpo_from_the_sft_checkpoint_raises_the_margin(sft_run, collected, twx, 
 
 
 def test_configs_load_and_bad_settings_are_clear_errors(tmp_path):
-  from dreamjax.train import dpo, policy_sft
+  from dreamjax.commands import dpo
+  from dreamjax.commands import train_policy as policy_sft
 
   for spec, kind in [("configs/train_policy_twx.py", policy_sft.PolicySftConfig),
                      ("configs/train_policy_twx.py:tiny", policy_sft.PolicySftConfig),

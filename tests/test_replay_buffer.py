@@ -1,5 +1,5 @@
-"""Replay buffer: round trip, ids, segments, seeding once per tag, readers beside a writer, errors, and recovery from
-SIGKILL at random moments of a real writer process."""
+"""Replay buffer: round trip, ids, segments, seeding once per tag, readers beside a writer, errors, per-line checksums
+and outcome checks, and recovery from SIGKILL at random moments of a real writer process."""
 
 import contextlib
 import dataclasses
@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -28,10 +29,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _t(i: int, source: str = "synthetic") -> ReplayTransition:
+  """Episodes of 4 steps; every other one succeeds (reward 1 on its last step), the others fail at their last."""
   task = Task.make("alfworld", f"pick/{i % 3}", "Put a mug in the sink.", seed=i, split="train", extra={"a": [1, 2]})
+  win = i % 8 == 3
   return ReplayTransition(f"ep{i // 4}", i % 4, task, "Put a mug in the sink. é", f"You see a mug {i}.\n\tTab",
-                          f"take mug {i}", f"You hold mug {i} ✓", 1.0 if i % 4 == 3 else 0.0, i % 4 == 3, i % 7 == 0,
-                          i % 5 == 0, source, 2 if source != "offline" else -1)
+                          f"take mug {i}", f"You hold mug {i} ✓", float(win), i % 4 == 3, win, i % 5 == 0 and not win,
+                          source, 2 if source != "offline" else -1)
 
 
 def _record(i: int, n: int) -> TrajectoryRecord:
@@ -44,6 +47,16 @@ def _record(i: int, n: int) -> TrajectoryRecord:
 
 def _segment_lines(folder: Path) -> list[bytes]:
   return [line for p in sorted((folder / "segments").iterdir()) for line in p.read_bytes().splitlines()]
+
+
+def _line(body: str | bytes) -> bytes:
+  """The committed form of a record's JSON: its CRC-32 spliced in as a leading "_crc" field (no newline)."""
+  body = body.encode() if isinstance(body, str) else body
+  return b'{"_crc":"%08x",' % zlib.crc32(body) + body[1:]
+
+
+def _lines(items: list[ReplayTransition]) -> list[bytes]:
+  return [_line(dumps(t.to_json())) for t in items]
 
 
 @pytest.mark.parametrize("small_io", [False, True])
@@ -60,9 +73,12 @@ def test_round_trip_ids_segments_and_stats(tmp_path, monkeypatch, small_io):
     assert buf.get([5, 0, 10, 5]) == [items[5], items[0], items[10], items[5]]
     assert buf.get(np.arange(11, dtype=np.int32)) == items
     assert list(buf.iter_from(3)) == items[3:] and list(buf.iter_from(2, 9)) == items[2:9]
-  # The committed form is exactly the contract's JSON (keys sorted, one line each), in id order across segments.
+  # The committed form is exactly the contract's JSON (keys sorted, one line each) led by its checksum, in id order
+  # across segments; each line is still one JSON object.
   assert sorted(p.name for p in (tmp_path / "b/segments").iterdir()) == ["000000.jsonl", "000001.jsonl", "000002.jsonl"]
-  assert _segment_lines(tmp_path / "b") == [dumps(t.to_json()).encode() for t in items]
+  assert _segment_lines(tmp_path / "b") == _lines(items)
+  assert [json.loads(line) for line in _segment_lines(tmp_path / "b")] == [
+      {"_crc": f"{zlib.crc32(dumps(t.to_json()).encode()):08x}", **t.to_json()} for t in items]
   with ReplayBuffer(tmp_path / "b", read_only=True) as again:
     assert len(again) == 11 and list(again.iter_from(0)) == items and again.verify() == 11
     s = again.stats()
@@ -81,7 +97,7 @@ def test_truncate_rewinds_to_a_position_and_appends_go_on_from_it(tmp_path, n):
     assert buf.truncate(n) == 11 - n and len(buf) == n and buf.truncate(n) == 0
     assert buf.append(items[n:][::-1]) == range(n, 11)  # the redone iterations write other episodes
   expected = items[:n] + items[n:][::-1]
-  assert _segment_lines(tmp_path / "b") == [dumps(t.to_json()).encode() for t in expected]
+  assert _segment_lines(tmp_path / "b") == _lines(expected)
   with ReplayBuffer(tmp_path / "b", read_only=True) as again:
     assert list(again.iter_from(0)) == expected and again.verify() == 11
     assert again.stats().by_source == {"offline": 6, "synthetic": 5, "real_online": 0}
@@ -176,12 +192,19 @@ def test_failed_append_rolls_back_and_names_the_item(tmp_path):
     assert buf.append(items[3:]) == range(3, 6) and list(buf.iter_from(0)) == items
 
 
-def _corrupt(folder: Path, segment: str, line: int, text: str) -> Path:
-  """Rewrites one committed line in place keeping its length, as disk corruption or a stray edit would."""
+def _corrupt(folder: Path, segment: str, line: int, text: str | bytes, checksum: bool = False) -> Path:
+  """Rewrites one committed line in place keeping its length, as disk corruption or a stray edit would; with
+  `checksum`, `text` is a record's JSON and gets a valid checksum (what a writer without the outcome check would
+  leave), so the checks behind the checksum are reached."""
   p = folder / "segments" / segment
   lines = p.read_bytes().split(b"\n")
   old = lines[line - 1]
-  lines[line - 1] = text.encode().ljust(len(old), b" ")[:len(old)]
+  text = text.encode() if isinstance(text, str) else text
+  if checksum:
+    assert len(text) <= len(old) - 18, "the line's checksum field takes 18 more bytes"
+    text = _line(text.ljust(len(old) - 18, b" "))
+  lines[line - 1] = text.ljust(len(old), b" ")[:len(old)]
+  assert len(lines[line - 1]) == len(old)
   p.write_bytes(b"\n".join(lines))
   return p
 
@@ -193,19 +216,73 @@ def test_errors_name_file_and_line(tmp_path):
   p = _corrupt(folder, "000001.jsonl", 2, '{"oops')
   with ReplayBuffer(folder, read_only=True) as r:
     assert r.get([3, 5]) == [_t(3), _t(5)]  # open only indexes; the bad line fails when read
-    with pytest.raises(ValueError, match=rf"^{p}:2: not valid JSON"):
+    with pytest.raises(ValueError, match=rf"^{p}:2: no checksum"):
       r.get([4])
-    with pytest.raises(ValueError, match=rf"^{p}:2: not valid JSON"):
+    with pytest.raises(ValueError, match=rf"^{p}:2: no checksum"):
       r.verify()
   good = dumps(_t(4).to_json())
-  for bad, message in [(good.replace('"reward":0.0', '"reward":"0"'), "field 'reward': expected a finite number"),
+  for bad, message in [('{"oops', "not valid JSON"),
+                       (good.replace('"reward":0.0', '"reward":"0"'), "field 'reward': expected a finite number"),
                        (good.replace('"done":false', '"done":0'), "field 'done': expected true or false"),
                        (good.replace('"source":"synthetic"', '"source":"dream"'), "field 'source': expected one of offline, synthetic"),
-                       (good.replace('"action":', '"actio":'), "field 'action': missing"),
-                       ("[1, 2]", "expected a JSON object")]:
-    _corrupt(folder, "000001.jsonl", 2, bad)
+                       (good.replace('"action":', '"actio":'), "field 'action': missing")]:
+    _corrupt(folder, "000001.jsonl", 2, bad, checksum=True)
     with ReplayBuffer(folder, read_only=True) as r, pytest.raises(ValueError, match=rf"^{p}:2: .*{message}"):
       r.get([4])
+
+
+@pytest.mark.parametrize("i", [0, 4, 5])  # the first line, one inside, and the last committed line
+def test_a_silently_edited_line_fails_its_checksum(tmp_path, i):
+  folder = tmp_path / "b"
+  items = [_t(k) for k in range(6)]
+  with ReplayBuffer(folder, records_per_segment=3) as buf:
+    buf.append(items)
+  segment, line = f"{i // 3:06d}.jsonl", i % 3 + 1
+  raw = (folder / "segments" / segment).read_bytes().split(b"\n")[line - 1]
+  # The edit of the issue: a failed step's reward turned into a win, same length, fields still well-typed.
+  assert b'"reward":0.0,' in raw and b'"success":false' in raw
+  p = _corrupt(folder, segment, line, raw.replace(b'"reward":0.0,', b'"reward":1.0,'))
+  with ReplayBuffer(folder, read_only=True) as r:
+    others = [k for k in range(6) if k != i]
+    assert r.get(others) == [items[k] for k in others]
+    for read in (lambda: r.get([i]), lambda: list(r.iter_from(0)), r.verify):
+      with pytest.raises(ValueError, match=rf"^{p}:{line}: checksum mismatch: the line was changed"):
+        read()
+  # The writer reads through the same checks, and so does a line whose stored checksum was edited instead.
+  _corrupt(folder, segment, line, raw[:9] + bytes(reversed(raw[9:17])) + raw[17:])
+  with ReplayBuffer(folder) as w, pytest.raises(ValueError, match=rf"^{p}:{line}: checksum mismatch"):
+    w.verify()
+  _corrupt(folder, segment, line, raw)
+  with ReplayBuffer(folder, read_only=True) as r:
+    assert r.verify() == 6 and list(r.iter_from(0)) == items
+
+
+def test_outcomes_must_follow_the_env_contract(tmp_path):
+  folder = tmp_path / "b"
+  items = [_t(k) for k in range(8)]  # 3: a success, 7: a failure at the last step, 0: invalid
+  with ReplayBuffer(folder, records_per_segment=3) as buf:
+    buf.append(items[:6])
+    sizes = {p.name: p.stat().st_size for p in (folder / "segments").iterdir()}
+    for k, change, problem in [(4, {"reward": 1.0}, "reward is 1 but success is false"),
+                               (4, {"success": True}, "success is true but done is false"),
+                               (7, {"success": True}, "success is true but the reward is 0"),
+                               (3, {"invalid": True}, "invalid is true but success is true"),
+                               (7, {"reward": 0.5}, "reward 0.5 is not 0 or 1")]:
+      bad = dataclasses.replace(items[k], **change)
+      with pytest.raises(ValueError, match=rf"append item 1 \(episode 'ep\d' step \d\): inconsistent outcome: "
+                                           rf"{problem} \(rewards are binary outcomes"):
+        buf.append([items[6], bad])
+      assert len(buf) == 6 and {p.name: p.stat().st_size for p in (folder / "segments").iterdir()} == sizes
+  # A line with a valid checksum but an outcome no env gives (a writer without the check): refused on every read.
+  good = dumps(items[4].to_json())
+  for bad, problem in [(good.replace('"reward":0.0', '"reward":1.0'), "reward is 1 but success is false"),
+                       (good.replace('"success":false', '"success":true'), "success is true but done is false"),
+                       (good.replace('"reward":0.0', '"reward":0.5'), "reward 0.5 is not 0 or 1")]:
+    p = _corrupt(folder, "000001.jsonl", 2, bad, checksum=True)
+    with ReplayBuffer(folder, read_only=True) as r:
+      for read in (lambda: r.get([4]), r.verify):
+        with pytest.raises(ValueError, match=rf"^{p}:2: inconsistent outcome: {problem}"):
+          read()
 
 
 def test_refuses_other_formats_foreign_folders_second_writers_and_lost_data(tmp_path):
@@ -219,10 +296,16 @@ def test_refuses_other_formats_foreign_folders_second_writers_and_lost_data(tmp_
     with pytest.raises(IndexError, match="id -1 out of range"):
       buf.get([-1])
   manifest = json.loads((folder / MANIFEST).read_text())
-  (folder / MANIFEST).write_text(json.dumps({**manifest, "format": "dreamjax.replay.v2"}))
+  (folder / MANIFEST).write_text(json.dumps({**manifest, "format": "dreamjax.replay.v9"}))
   for read_only in (True, False):
-    with pytest.raises(ValueError, match=rf"{folder / MANIFEST}: written in format 'dreamjax.replay.v2', this "
+    with pytest.raises(ValueError, match=rf"{folder / MANIFEST}: written in format 'dreamjax.replay.v9', this "
                                          rf"dreamjax reads '{FORMAT}'; refusing"):
+      ReplayBuffer(folder, read_only=read_only)
+  # The previous format's lines have no checksums: refused, saying so, rather than read unverified.
+  (folder / MANIFEST).write_text(json.dumps({**manifest, "format": "dreamjax.replay.v1"}))
+  for read_only in (True, False):
+    with pytest.raises(ValueError, match=rf"{folder / MANIFEST}: written in format 'dreamjax.replay.v1', whose lines "
+                                         rf"carry no checksums; this dreamjax reads '{FORMAT}' and refuses it"):
       ReplayBuffer(folder, read_only=read_only)
   segments = [{"records": 3, "bytes": "1"}] + manifest["segments"][1:]
   for bad in [{"total": 6}, {"segments": segments}, {"seeds": {"a": [4, 2]}}, {"by_source": {"offline": 5}}]:
@@ -264,10 +347,22 @@ def test_uncommitted_tail_and_segments_are_ignored_by_readers_and_removed_by_the
   buf.close()
 
 
+def _consistent(t: ReplayTransition) -> ReplayTransition:
+  """replay_writer_child's transition with an outcome the buffer accepts: its success and invalid flags ignore the env
+  contract (success on steps that are not the last, without reward), which the buffer now refuses."""
+  return dataclasses.replace(t, success=t.reward == 1.0, invalid=t.invalid and t.reward != 1.0)
+
+
+# Runs the child with `_consistent` outcomes (the test patches the same function in this process).
+_CHILD = ("import sys\nfrom tests import replay_writer_child as c, test_replay_buffer as t\n"
+          "expected = c.expected\nc.expected = lambda i: t._consistent(expected(i))\n"
+          "c.main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))\n")
+
+
 def _child(folder: Path, max_batches: int) -> subprocess.Popen:
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
-  return subprocess.Popen([sys.executable, str(ROOT / "tests/replay_writer_child.py"), str(folder), "5",
-                           str(max_batches)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  return subprocess.Popen([sys.executable, "-c", _CHILD, str(folder), "5", str(max_batches)], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
 def _torn(folder: Path) -> bool:
@@ -277,7 +372,8 @@ def _torn(folder: Path) -> bool:
   return len(files) > len(m["segments"]) or any(p.stat().st_size > s["bytes"] for p, s in zip(files, m["segments"]))
 
 
-def test_sigkill_at_random_moments_loses_no_committed_batch(tmp_path):
+def test_sigkill_at_random_moments_loses_no_committed_batch(tmp_path, monkeypatch):
+  monkeypatch.setattr(child, "expected", lambda i, expected=child.expected: _consistent(expected(i)))
   folder, rng = tmp_path / "b", random.Random(0)
   acknowledged, torn, kills = 0, 0, 8
   reader = None

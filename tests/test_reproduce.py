@@ -49,7 +49,7 @@ def test_reproduce_runs_every_stage_writes_the_table_and_resumes(tmp_path, capsy
   dream = json.loads((out / "dreamgym_grpo" / "seed0" / "summary.json").read_text())
   assert Path(dream["checkpoint"]).is_dir()
   table = (out / "results.md").read_text()
-  assert "| DreamGym-S2R GRPO |" in table and (out / "results.svg").read_text().startswith("<svg")
+  assert "| DreamGym-S2R GRPO |" in table and "DreamGym GRPO" in (out / "results.svg").read_text()
   assert table.strip() in capsys.readouterr().out
   # A rerun reuses every stage: nothing is trained or evaluated again, the table is the same.
   stamps = {p: p.stat().st_mtime_ns for p in out.rglob("summary.json")}
@@ -102,7 +102,7 @@ def test_a_stage_on_another_env_is_refused():
 
 
 def test_rows_sum_the_runs_costs_per_seed(tmp_path):
-  from dreamjax.reproduce import row, table
+  from dreamjax.commands.reproduce import row, table
 
   runs = []
   for seed, steps in ((0, [(1.5, 10.0, 30), (2.5, 12.0, 50)]), (1, [(3.0, 8.0, 40)])):

@@ -16,32 +16,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dreamjax.commands.rl import run
 from dreamjax.config import load_config
+from dreamjax.curriculum.source import draw_tasks
 from dreamjax.data.collect import CollectConfig, collect
 from dreamjax.data.records import read_trajectories
 from dreamjax.envs.base import SerialBatchEnv, Task
 from dreamjax.envs.textworld_express import TextWorldExpressEnv, tasks
+from dreamjax.loop.evaluate import evaluate, unparsed_rows, wilson_interval
+from dreamjax.loop.learner import PolicyLearner
+from dreamjax.loop.learner import RLConfig, TaskSpec, episode_returns, take_rows, zero_variance_groups
+from dreamjax.loop.model import ModelSource, load_model
+from dreamjax.loop.track import read_metrics
 from dreamjax.models import init_params, load_hf_checkpoint
+from dreamjax.parallel import make_mesh
+from dreamjax.rl.keys import PHASE_ROLLOUT, phase_key
 from dreamjax.rl.objectives import PolicyGradientConfig
 from dreamjax.rl.optim import OptimConfig
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
 from dreamjax.text import Kind
-from dreamjax.train.evaluate import evaluate, unparsed_rows
-from dreamjax.parallel import make_mesh
-from dreamjax.train.rl_real import (
-    PHASE_ROLLOUT,
-    RealEnvRL,
-    RLConfig,
-    TaskSpec,
-    draw_tasks,
-    episode_returns,
-    phase_key,
-    run,
-    take_rows,
-    zero_variance_groups,
-)
-from dreamjax.train.run import ModelSource, load_model, read_metrics, wilson_interval
 from tests.warm_start import behaviour_clone
 
 pytest.importorskip("textworld_express")
@@ -133,7 +127,7 @@ def _check_run(summary, out: Path, warm_start, algorithm: str):
       assert (r["ci_low"], r["ci_high"]) == pytest.approx(wilson_interval(r["successes"], 4))
     assert e["temperature"] == 0.0 and e["sampled"]["temperature"] == ROLLOUT.temperature
   assert summary["final"]["iteration"] == 2 and summary["algorithm"] == algorithm
-  assert (out / "learning_curve.svg").read_text().startswith("<svg")
+  assert "held-out success (95% CI)" in (out / "learning_curve.svg").read_text()  # the figure, titled
   return rows, final
 
 
@@ -166,7 +160,7 @@ def learner(warm_start, tmp_path_factory):
   cfg = _config(warm_start, tmp_path_factory.mktemp("learner"))
   mesh = make_mesh(cfg.mesh, jax.devices()[:1])
   model_cfg, params, tok = load_model(cfg.model.checkpoint, mesh=mesh)
-  return RealEnvRL(cfg, model_cfg, params, tok, mesh)
+  return PolicyLearner(cfg, model_cfg, params, tok, mesh)
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +242,7 @@ def test_dropping_zero_variance_groups_updates_only_the_others(warm_start, learn
   cfg = dataclasses.replace(learner.cfg, drop_zero_variance_groups=True, out_dir=str(tmp_path))
   mesh = make_mesh(cfg.mesh, jax.devices()[:1])
   model_cfg, params, tok = load_model(cfg.model.checkpoint, mesh=mesh)
-  other = RealEnvRL(cfg, model_cfg, params, tok, mesh)
+  other = PolicyLearner(cfg, model_cfg, params, tok, mesh)
   pool = cfg.train_tasks.tasks(cfg.env)
   # The iteration's own draw and key, rolled out by hand to know which groups are flat.
   traj = other.engine.run(other.params, twx, draw_tasks(pool, 2, 0, cfg.seed), phase_key(other.root, 0, PHASE_ROLLOUT))
@@ -276,7 +270,7 @@ def test_evaluate_counts_intervals_and_outcomes(learner, twx):
   traj = learner.eval_engine.run(learner.params, twx, eval_tasks[:ROWS], jax.random.key(5))
   assert [[t.task_id, bool(s), int(k)] for t, s, k in zip(eval_tasks, traj.success, traj.num_turns)] == \
       outcomes[:ROWS]
-  assert int(unparsed_rows(traj, learner.tokenizer).sum()) == learner.eval_engine.stats["parse_failures"]
+  assert int(unparsed_rows(traj, learner.tokenizer).sum()) == traj.stats["parse_failures"]
   # An untrained policy never answers in the format: every turn is a parse failure and no env step is taken.
   untrained = init_params(learner.model_cfg, jax.random.key(9))
   bad = evaluate(learner.eval_engine, untrained, twx, eval_tasks[:3], jax.random.key(0), batch_size=ROWS)
@@ -316,7 +310,7 @@ def test_configs_load_and_bad_settings_are_clear_errors(tmp_path):
 
 def test_model_source_sets_how_the_loaded_policy_computes(tmp_path):
   """dtype, remat and attention blocks from the config reach the loaded model; the weights stay float32."""
-  from dreamjax.train.run import build_tiny_checkpoint
+  from dreamjax.loop.model import build_tiny_checkpoint
 
   source = ModelSource(dtype="bfloat16", remat="full", attention_chunk=64)
   folder = build_tiny_checkpoint(source, ["go north", "take key", "open door"] * 20, tmp_path / "m", seed=0)

@@ -83,7 +83,7 @@ def random_runs(twx, tok, policy_cfg, random_params, far_tasks):
   engine = RolloutEngine(policy_cfg, tok, FMT, RANDOM_CFG)
   key = jax.random.key(7)
   first = engine.run(random_params, twx, far_tasks[:2], key, policy_version=3)
-  stats = engine.stats
+  stats = first.stats
   # the env is untouched by unparseable turns: its next step is its first
   steps_after = [e.step("look around").info["steps"] for e in twx.envs]
   again = engine.run(random_params, twx, far_tasks[:2], key, policy_version=3)
@@ -249,7 +249,7 @@ def test_buckets_grow_and_history_is_dropped_to_fit(twx, tok, policy_cfg, random
                       prompt_buckets=(small, small + 40))
   engine = RolloutEngine(policy_cfg, tok, FMT, cfg)
   traj = engine.run(random_params, twx, far_tasks[:2], jax.random.key(1))
-  assert engine.stats["buckets"] == [small, small + 40] and engine.sampler.compilations() == 2
+  assert traj.stats["buckets"] == [small, small + 40] and engine.sampler.compilations() == 2
   np.testing.assert_array_equal(traj.num_turns, [3, 3])  # max_turns ends them, truncated
   assert not traj.ended.any() and (traj.prompt_lengths <= small + 40).all()
   dropped = 0
@@ -340,4 +340,4 @@ def test_fine_tuned_policy_acts_in_the_real_env(twx, tok, policy_cfg, expert_tur
     if step.invalid and step.action in step.admissible:
       pytest.fail("an admissible action came back invalid")
   assert traj.ended[2] == bool(traj.done[rows[-1]])
-  assert engine.stats["parse_failures"] + engine.stats["env_invalid"] == int(traj.invalid.sum())
+  assert traj.stats["parse_failures"] + traj.stats["env_invalid"] == int(traj.invalid.sum())

@@ -324,7 +324,7 @@ def test_rollout_engine_drives_the_synthetic_env(trained_env, cfg, trained, tok,
   engine = RolloutEngine(cfg, tok, AFMT, RolloutConfig(max_turns=3, max_action_tokens=12, max_episode_tokens=64,
                                                        prompt_buckets=(256,), temperature=0.0))
   traj = engine.run(trained, trained_env, [r.task for r in records], jax.random.key(0))
-  assert engine.stats["parse_failures"] == 0
+  assert traj.stats["parse_failures"] == 0
   np.testing.assert_array_equal(traj.num_turns, [2] * len(records))
   assert traj.success.all() and traj.ended.all()
   for e, r in enumerate(records):

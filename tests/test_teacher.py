@@ -2,9 +2,12 @@
 
 The server answers deterministically from the request content (one reason per "### Step" block, built from that
 step's action and validity), and follows a script of failures: HTTP 500/429/401, a malformed body, content that is not
-JSON, a wrong number of reasons, a forbidden tag, and a slow answer past the client's timeout.
+JSON, JSON nested too deeply to parse, a wrong number of reasons, a forbidden tag, and a slow answer past the client's
+timeout. A redirecting server on 127.0.0.1 and a recording one on 127.0.0.2 (also loopback on Linux) check that the API
+key never follows a redirect to another host. Every server binds a loopback address and stops when its test ends.
 """
 
+import contextlib
 import dataclasses
 import http.server
 import json
@@ -12,6 +15,7 @@ import re
 import socket
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -67,6 +71,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
     content = json.dumps(answer)
     if mode == "malformed_body":
       return self._send(200, b"<html>gateway error</html>")
+    if mode == "deep_body":  # a response body json.loads cannot parse without exceeding the recursion limit
+      return self._send(200, b"[" * 100_000, [("Content-Type", "application/json")])
+    if mode == "deep":  # the same inside the message content
+      content = '{"tutorial": ' + "[" * 100_000
     if mode == "not_json":
       content = "Here are my thoughts: the agent did well."
     if mode == "wrong_count":
@@ -80,17 +88,32 @@ class Handler(http.server.BaseHTTPRequestHandler):
     self._send(200, json.dumps(body).encode(), [("Content-Type", "application/json")])
 
 
-@pytest.fixture()
-def server():
-  srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+@contextlib.contextmanager
+def _serve(host: str, handler: type, seconds: float = 60.0):
+  """A threaded HTTP server on a loopback address; stopped on exit, or by a watchdog after `seconds` at the latest."""
+  assert host.startswith("127."), "test servers listen on loopback only"
+  srv = http.server.ThreadingHTTPServer((host, 0), handler)
   srv.calls, srv.script, srv.lock = [], [], threading.Lock()
   srv.daemon_threads = True
-  thread = threading.Thread(target=srv.serve_forever, daemon=True)
+  srv.base_url = f"http://{host}:{srv.server_address[1]}/v1"
+  thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
   thread.start()
-  srv.base_url = f"http://127.0.0.1:{srv.server_address[1]}/v1"
-  yield srv
-  srv.shutdown()
-  srv.server_close()
+  watchdog = threading.Timer(seconds, srv.shutdown)
+  watchdog.daemon = True
+  watchdog.start()
+  try:
+    yield srv
+  finally:
+    watchdog.cancel()
+    srv.shutdown()
+    srv.server_close()
+    thread.join(5)
+
+
+@pytest.fixture()
+def server():
+  with _serve("127.0.0.1", Handler) as srv:
+    yield srv
 
 
 def _record(i: int = 0, n: int = 3) -> TrajectoryRecord:
@@ -301,3 +324,100 @@ def test_cli_teacher_failures(server, tmp_path, capsys):
   written = read_annotations(out)
   assert written["expert:coin/train/1"].annotator == "rules:textworld_express (teacher fallback)"
   assert written["expert:coin/train/2"].annotator == "teacher:teacher-model"
+
+
+class Recorder(Handler):
+  """Records every request's method, path and headers; answers any POST or GET as a chat completion would."""
+
+  def _record(self):
+    with self.server.lock:
+      self.server.calls.append({"method": self.command, "path": self.path, "headers": dict(self.headers)})
+    length = int(self.headers.get("Content-Length") or 0)
+    if length:
+      self.rfile.read(length)
+    content = json.dumps({"tutorial": "t", "reasons": ["a", "b", "c"]})
+    body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]}
+    self._send(200, json.dumps(body).encode(), [("Content-Type", "application/json")])
+
+  do_GET = do_POST = _record
+
+
+class Redirector(Handler):
+  """Answers every POST with `server.code` to `server.location`, after recording its Authorization header."""
+
+  def do_POST(self):
+    self.rfile.read(int(self.headers["Content-Length"]))
+    with self.server.lock:
+      self.server.calls.append({"path": self.path, "auth": self.headers.get("Authorization")})
+    self._send(self.server.code, b"moved", [("Location", self.server.location)])
+
+
+@pytest.mark.parametrize("code", [301, 302, 303, 307, 308])
+def test_the_key_never_follows_a_redirect_to_another_host(tmp_path, monkeypatch, code):
+  monkeypatch.setenv("DREAMJAX_TEST_KEY", "sk-secret-123")
+  with contextlib.ExitStack() as servers:
+    try:
+      elsewhere = servers.enter_context(_serve("127.0.0.2", Recorder))
+    except OSError as e:  # 127.0.0.0/8 is all loopback on Linux; elsewhere only 127.0.0.1 may be
+      pytest.skip(f"cannot listen on 127.0.0.2: {e}")
+    first = servers.enter_context(_serve("127.0.0.1", Redirector))
+    first.code, first.location = code, elsewhere.base_url + "/chat/completions"
+    errors = []
+    for on_failure in ("raise", "fallback"):  # a redirect is a misconfiguration: never hidden by the fallback
+      teacher = _teacher(first, tmp_path, cache_dir=None, api_key_env="DREAMJAX_TEST_KEY", on_failure=on_failure)
+      try:
+        teacher.annotate(_record())
+      except TeacherError as e:
+        errors.append(str(e))
+  assert [c["auth"] for c in first.calls] == ["Bearer sk-secret-123"] * 2  # the key went where it was sent
+  leaked = [c for c in elsewhere.calls if any("sk-secret-123" in v for v in c["headers"].values())]
+  assert not leaked, f"the API key reached {elsewhere.base_url}: {leaked}"
+  assert not elsewhere.calls  # the redirect is not followed at all
+  want = (f"HTTP {code} from {first.base_url}/chat/completions redirects to {elsewhere.base_url}/chat/completions: "
+          "not followed")
+  assert len(errors) == 2 and all(want in e for e in errors), errors
+
+
+def test_plain_http_to_another_host_warns_when_a_key_is_set(monkeypatch):
+  monkeypatch.setenv("DREAMJAX_TEST_KEY", "sk-x")
+  with pytest.warns(UserWarning, match=r"http://teacher\.example\.com/v1 is plain http to teacher\.example\.com, not "
+                                       r"this machine: the API key from \$DREAMJAX_TEST_KEY would cross the network"):
+    TeacherAnnotator("http://teacher.example.com/v1", "m", api_key_env="DREAMJAX_TEST_KEY")  # no request is made
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for url in ("https://teacher.example.com/v1", "http://127.0.0.1:8000/v1", "http://127.0.0.2/v1",
+                "http://localhost:8000/v1", "http://[::1]:8000/v1"):
+      TeacherAnnotator(url, "m", api_key_env="DREAMJAX_TEST_KEY")
+    monkeypatch.delenv("DREAMJAX_TEST_KEY")
+    TeacherAnnotator("http://teacher.example.com/v1", "m", api_key_env="DREAMJAX_TEST_KEY")  # no key to leak
+  for url in ("file:///tmp/v1", "teacher.example.com/v1"):
+    with pytest.raises(ValueError, match="base_url must be an http:// or https:// URL"):
+      TeacherAnnotator(url, "m")
+
+
+def test_a_deeply_nested_answer_is_an_invalid_answer(server, tmp_path):
+  with pytest.raises(ValueError, match="nested too deeply to parse"):
+    parse_answer("[" * 100_000, 1)
+  record = _record()
+  server.script[:] = ["deep", "deep_body"]
+  fallback = _teacher(server, tmp_path, max_retries=1, on_failure="fallback")
+  with pytest.warns(UserWarning, match=r"failed after 2 attempts: malformed response body .*; using "
+                                       r"rules:textworld_express instead"):
+    a = fallback.annotate(record)
+  assert a.reasons == rule_annotator("textworld_express").annotate(record).reasons
+  assert fallback.stats.retries == 1 and fallback.stats.fallbacks == 1
+  server.script[:] = ["deep_body", "deep"]
+  with pytest.raises(TeacherError, match=r"failed after 2 attempts: invalid answer: the answer is JSON nested too "
+                                         r"deeply to parse"):
+    _teacher(server, tmp_path, max_retries=1).annotate(record)
+  assert len(server.calls) == 4 and not list((tmp_path / "cache").glob("**/*.json"))
+  # In annotate_file's worker threads too: every episode falls back and the file is complete.
+  records = [_record(i, 2) for i in range(3)]
+  src = _write_records(tmp_path / "trajectories.jsonl", records)
+  server.script[:] = ["deep", "deep_body"] * 3
+  threaded = _teacher(server, tmp_path, max_retries=1, on_failure="fallback")
+  with pytest.warns(UserWarning, match="using rules:textworld_express instead"):
+    summary = annotate_file(src, tmp_path / "a.jsonl", threaded, workers=2)
+  assert summary["annotated"] == 3 and threaded.stats.fallbacks == 3
+  assert {a.annotator for a in read_annotations(tmp_path / "a.jsonl").values()} == {
+      "rules:textworld_express (teacher fallback)"}

@@ -6,6 +6,7 @@ from pathlib import Path
 import jax
 
 from dreamjax.envs.textworld_express import INVALID_FEEDBACK
+from dreamjax.loop.policy_data import RowConfig, policy_texts, sft_rows
 from dreamjax.models import init_params, save_hf_checkpoint, tiny
 from dreamjax.rl.batch import sft_batch
 from dreamjax.rl.objectives import make_objective
@@ -13,7 +14,6 @@ from dreamjax.rl.optim import OptimConfig, make_optimizer
 from dreamjax.rl.train_state import create_train_state
 from dreamjax.rl.update import make_train_step
 from dreamjax.text import train_bpe_tokenizer
-from dreamjax.train.policy_data import RowConfig, policy_texts, sft_rows
 
 
 def behaviour_clone(records, fmt, rollout, root: Path, steps: int = 25) -> tuple[Path, float]:

@@ -1,8 +1,8 @@
 """Prints the per-device memory plan of an RL or DreamGym config: parameters, AdamW, gradients, reference, M_exp,
-KV caches, activations, and the peak of each phase of an iteration (dreamjax/parallel/memory.py has the arithmetic).
+KV caches, activations, and the peak of each phase of an iteration (dreamjax/plan/memory.py has the arithmetic).
 
 Model shapes come from each checkpoint folder's config.json when it exists here, from `--arch ROLE=NAME|FOLDER`
-otherwise (NAME: a published model written into dreamjax.parallel.memory.PUBLISHED), and from `model.tiny` for a
+otherwise (NAME: a published model written into dreamjax.plan.memory.PUBLISHED), and from `model.tiny` for a
 tiny policy built at run time. Nothing is loaded or allocated.
 
     python tools/memory_plan.py --config configs/scale/dreamgym_llama8b_gpu.py --accelerator h100 \\
@@ -24,12 +24,33 @@ from pathlib import Path
 
 from dreamjax.config import load_config
 from dreamjax.models.config import ModelConfig, load_hf_config
-from dreamjax.parallel.memory import ACCELERATORS, PUBLISHED, MemoryPlan, mesh_sizes, plan_dreamgym, plan_rl, \
-    published_config
-from dreamjax.train.dreamgym import DreamGymConfig
-from dreamjax.train.rl_real import RLConfig
+from dreamjax.plan.memory import (
+    ACCELERATORS,
+    DREAMGYM_FIELDS,
+    PUBLISHED,
+    RL_FIELDS,
+    MemoryPlan,
+    mesh_sizes,
+    missing_fields,
+    plan_dreamgym,
+    plan_rl,
+    published_config,
+)
 
 ROLES = ("policy", "exp")
+# Read here besides what the planner reads: configs are recognised by their fields, as the planner takes them, so the
+# tool works wherever the loops define their config classes.
+TOOL_RL_FIELDS = ("model.checkpoint", "model.tiny", "model.value_head", "model.overrides", "algorithm", "mesh",
+                  "devices")
+TOOL_DREAMGYM_FIELDS = ("exp_model", "exp_dtype")
+
+
+def is_dreamgym(cfg) -> bool:
+  return not missing_fields(cfg, DREAMGYM_FIELDS + TOOL_DREAMGYM_FIELDS)
+
+
+def is_rl(cfg) -> bool:
+  return not missing_fields(cfg, RL_FIELDS + TOOL_RL_FIELDS)
 
 
 def resolve_arch(role: str, given: str | None, checkpoint: str, tiny: ModelConfig | None, field: str) -> ModelConfig:
@@ -68,14 +89,15 @@ def build_plan(argv: Sequence[str] | None = None) -> tuple[MemoryPlan, float | N
       parser.error(f"--arch {item!r}: expected ROLE=NAME with ROLE one of {ROLES}")
     arch[role] = name
   cfg = load_config(args.config, args.set)
-  rl = cfg.rl if isinstance(cfg, DreamGymConfig) else cfg
-  if not isinstance(rl, RLConfig):
+  dreamgym = is_dreamgym(cfg)
+  rl = cfg.rl if dreamgym else cfg
+  if not is_rl(rl):
     raise ValueError(f"{args.config}: gives a {type(cfg).__name__}; memory_plan handles RLConfig and DreamGymConfig")
   policy = resolve_arch("policy", arch.get("policy"), rl.model.checkpoint, rl.model.tiny, "model.checkpoint")
   policy = policy.replace(value_head=policy.value_head or rl.model.value_head or rl.algorithm == "ppo",
                           **rl.model.overrides())
   models = {"policy": policy}
-  if isinstance(cfg, DreamGymConfig):
+  if dreamgym:
     models["exp"] = resolve_arch("exp", arch.get("exp"), cfg.exp_model, None, "exp_model").replace(
         dtype=cfg.exp_dtype, param_dtype=cfg.exp_dtype)
   for role, m in models.items():
@@ -87,7 +109,7 @@ def build_plan(argv: Sequence[str] | None = None) -> tuple[MemoryPlan, float | N
     models[role] = dataclasses.replace(m, **changes)
   sizes = mesh_sizes(rl.mesh, rl.devices or args.devices or None)
   title = f"{args.config} ({type(cfg).__name__})"
-  if isinstance(cfg, DreamGymConfig):
+  if dreamgym:
     plan = plan_dreamgym(cfg, models["policy"], models["exp"], sizes, title=title)
   else:
     plan = plan_rl(rl, models["policy"], sizes, title=title)

@@ -1,7 +1,7 @@
 """DreamGym (GRPO) on TextWorld-Express at the paper's scale: a Llama-3.2-3B-Instruct policy, a Llama-3.1-8B-Instruct
 experience model, on a TPU v4-64 slice (32 chips, 8 hosts, 32 GiB HBM per chip).
 
-The policy side is configs/grpo_real_twx.py's (verl-agent's defaults, PAPER.md "RL": B = 16 tasks x G = 8, lr 1e-6,
+The policy side is configs/grpo_real_twx.py's (verl-agent's defaults, docs/paper_map.md, "RL": B = 16 tasks x G = 8, lr 1e-6,
 low-variance KL 0.02, invalid-action penalty 0.1); the rest is configs/dreamgym_twx.py's. Set here: the checkpoints,
 the mesh and the micro-batches that make it fit, and M_exp's prompt widths (fixed, so the plan below is exact).
 
@@ -27,7 +27,7 @@ beside both models' weights; the update runs one row per device per micro-batch.
 (model.dtype) over float32 weights, which AdamW needs: its steps of lr ~1e-6 would round away in bfloat16 weights.
 M_exp, frozen, holds bfloat16 weights (exp_dtype).
 
-Memory per device (estimates; dreamjax/parallel/memory.py says what each line counts), recomputed by
+Memory per device (estimates; dreamjax/plan/memory.py says what each line counts), recomputed by
 tests/test_memory.py from this command:
   python tools/memory_plan.py --config configs/scale/dreamgym_llama3b_tpu.py --accelerator v4 \
     --arch policy=llama-3.2-3b --arch exp=llama-3.1-8b
@@ -62,10 +62,10 @@ tests/test_memory.py from this command:
 import dataclasses
 from pathlib import Path
 
+from dreamjax.commands.dreamgym import DreamGymConfig
 from dreamjax.config import load_config
+from dreamjax.loop.model import ModelSource
 from dreamjax.parallel import MeshConfig
-from dreamjax.train.dreamgym import DreamGymConfig
-from dreamjax.train.run import ModelSource
 
 _BASE = str(Path(__file__).parent.parent / "dreamgym_twx.py")
 

@@ -1,7 +1,7 @@
 """DreamGym (GRPO) on TextWorld-Express at the paper's scale: a Qwen2.5-7B-Instruct policy and a Llama-3.1-8B-Instruct
 experience model, on a TPU v5p-32 slice (16 chips, 4 hosts, 95 GiB HBM per chip).
 
-The policy side is configs/grpo_real_twx.py's (verl-agent's defaults, PAPER.md "RL": B = 16 tasks x G = 8, lr 1e-6,
+The policy side is configs/grpo_real_twx.py's (verl-agent's defaults, docs/paper_map.md, "RL": B = 16 tasks x G = 8, lr 1e-6,
 low-variance KL 0.02, invalid-action penalty 0.1); the rest is configs/dreamgym_twx.py's. Set here: the checkpoints,
 the mesh and the micro-batches that make it fit, and M_exp's prompt widths (fixed, so the plan below is exact).
 Policy and M_exp have different tokenizers; each formats its own prompts, only text passes between them.
@@ -28,7 +28,7 @@ queries (ModelConfig.attention_chunk), so the prefills' float32 scores stay [row
 (model.dtype) over float32 weights, which AdamW needs: its steps of lr ~1e-6 would round away in bfloat16 weights.
 M_exp, frozen, holds bfloat16 weights (exp_dtype).
 
-Memory per device (estimates; dreamjax/parallel/memory.py says what each line counts), recomputed by
+Memory per device (estimates; dreamjax/plan/memory.py says what each line counts), recomputed by
 tests/test_memory.py from this command:
   python tools/memory_plan.py --config configs/scale/dreamgym_qwen7b_tpu.py --accelerator v5p \
     --arch policy=qwen2.5-7b --arch exp=llama-3.1-8b
@@ -63,10 +63,10 @@ tests/test_memory.py from this command:
 import dataclasses
 from pathlib import Path
 
+from dreamjax.commands.dreamgym import DreamGymConfig
 from dreamjax.config import load_config
+from dreamjax.loop.model import ModelSource
 from dreamjax.parallel import MeshConfig
-from dreamjax.train.dreamgym import DreamGymConfig
-from dreamjax.train.run import ModelSource
 
 _BASE = str(Path(__file__).parent.parent / "dreamgym_twx.py")
 

@@ -7,7 +7,7 @@ Before: offline data and the policy SFT warm start on the same host (tpu/README.
          --set out_dir=runs/policy_sft/twx_llama8b --set mesh.fsdp=1 --set mesh.tensor=8 --set optim.lr=1e-5 \
          --set micro_batches=32
 Run:   dreamjax rl --config configs/scale/grpo_real_llama8b_gpu.py
-S2R (DreamGym-S2R, PAPER.md): the same from DreamGym's final policy with a 5K real-transition budget,
+S2R (DreamGym-S2R, docs/paper_map.md): the same from DreamGym's final policy with a 5K real-transition budget,
        --set model.checkpoint=runs/dreamgym/grpo_twx_llama8b_gpu/final --set max_real_transitions=5000
 Tiny (CPU; see configs/grpo_real_twx.py):
        dreamjax rl --config configs/scale/grpo_real_llama8b_gpu.py:tiny
@@ -19,7 +19,7 @@ queries) is the rollout's largest temporary; the update runs two rows per micro-
 bfloat16 (model.dtype) over float32 weights, which AdamW needs: its steps of lr ~1e-6 would round away in bfloat16
 weights. "h100" below is 90% of 80 GB, the share tpu/gpu_*.sh give XLA.
 
-Memory per device (estimates; dreamjax/parallel/memory.py says what each line counts), recomputed by
+Memory per device (estimates; dreamjax/plan/memory.py says what each line counts), recomputed by
 tests/test_memory.py from this command:
   python tools/memory_plan.py --config configs/scale/grpo_real_llama8b_gpu.py --accelerator h100 \
     --arch policy=llama-3.1-8b
@@ -47,9 +47,9 @@ import dataclasses
 from pathlib import Path
 
 from dreamjax.config import load_config
+from dreamjax.loop.learner import RLConfig
+from dreamjax.loop.model import ModelSource
 from dreamjax.parallel import MeshConfig
-from dreamjax.train.rl_real import RLConfig
-from dreamjax.train.run import ModelSource
 
 _BASE = str(Path(__file__).parent.parent / "grpo_real_twx.py")
 

@@ -1,6 +1,6 @@
 """Task groups for PPO: k-means over L2-normalised instruction embeddings.
 
-PAPER.md "Curriculum": with PPO there is no rollout group per task, so tasks are clustered by an embedder and a cluster
+docs/paper_map.md, "Curriculum": with PPO there is no rollout group per task, so tasks are clustered by an embedder and a cluster
 is the group whose reward variance ranks its tasks (`state.update(..., groups=...)`). Any `encode(texts) -> [N, D]`
 works (e.g. `dreamjax.replay.encoder.MiniLMEncoder().encode`); rows are L2-normalised here, so Euclidean k-means on
 them ranks points as cosine similarity does.

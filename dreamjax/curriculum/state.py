@@ -1,6 +1,6 @@
 """Curriculum state: reward-variance statistics per task slot, pure updates and selection, (the host-side task pool is pool.py).
 
-PAPER.md "Curriculum": a task tau rolled out n times has reward variance V_tau = (1/n) sum_i (r_i - mean r)^2 (p(1-p)
+docs/paper_map.md, "Curriculum": a task tau rolled out n times has reward variance V_tau = (1/n) sum_i (r_i - mean r)^2 (p(1-p)
 for binary rewards); tasks with non-zero, high variance are "feasible yet challenging" and are preferred, M_task writes
 variants of them, and lambda caps the fraction of generated tasks per iteration.
 

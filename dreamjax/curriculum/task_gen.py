@@ -1,6 +1,6 @@
 """M_task: variants of seed tasks written by the experience model's weights under their own prompt.
 
-PAPER.md "Curriculum": M_task shares M_exp's weights and writes variations of high-variance seed tasks that change
+docs/paper_map.md, "Curriculum": M_task shares M_exp's weights and writes variations of high-variance seed tasks that change
 constraints, goals or context but keep the action types; generated tasks are rolled out against M_exp only (a real
 env would ignore the new instruction), so a variant is the seed's `Task` with its instruction replaced, its params
 copied plus {"generated_from": seed id, "generation": depth}, and id "<seed id>/v<n>" with n from the pool's counter.

@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import importlib
 import json
 import random
 import sys
@@ -37,8 +36,8 @@ from tqdm import tqdm
 
 from dreamjax.data.jsonl import JsonlWriter
 from dreamjax.data.records import StepRecord, TrajectoryRecord, iter_trajectories, summarize
-from dreamjax.envs.base import Observation, SerialBatchEnv, Task
-from dreamjax.envs.registry import ADAPTERS, make_env
+from dreamjax.envs.base import Observation, Task
+from dreamjax.envs.registry import env_tasks, make_batch_env, parse_env_kwargs
 from dreamjax.envs.web_state import instantiate
 
 
@@ -76,19 +75,6 @@ class Episode:
   seed: int
 
 
-def parse_env_kwargs(items: Sequence[str]) -> dict[str, Any]:
-  out = {}
-  for item in items:
-    key, sep, raw = item.partition("=")
-    if not sep or not key.strip():
-      raise ValueError(f"env_kwargs: expected key=value, got {item!r}")
-    try:
-      out[key.strip()] = json.loads(raw)
-    except json.JSONDecodeError:
-      out[key.strip()] = raw
-  return out
-
-
 def parse_policy(name: str) -> float:
   """The probability of a random action: expert 0, random 1, eps<p> p."""
   if name == "expert":
@@ -120,27 +106,6 @@ def parse_policies(items: Sequence[str]) -> list[tuple[str, int]]:
 
 def episode_seed(seed: int, episode_id: str) -> int:
   return int.from_bytes(hashlib.sha256(f"{seed}:{episode_id}".encode()).digest()[:4], "big")
-
-
-# How each adapter module's tasks() is called for (game, split, n, start, params). The default is TWX's and MiniWoB's
-# signature; ALFWorld draws by split and task type (its "games"), its `start` counting seeds of that type.
-_TASK_CALLS: dict[str, Callable[..., list[Task]]] = {
-    "alfworld": lambda m, game, split, n, start, params: m.tasks(split, task_types=(game,), n=n, start=start),
-}
-
-
-def _default_task_call(m, game, split, n, start, params):
-  return m.tasks(game, split, n, start=start, **({"params": params} if params else {}))
-
-
-def env_tasks(env: str, game: str, split: str, n: int, start: int = 0, params: str = "") -> list[Task]:
-  """n tasks of one game from the env adapter module's own tasks() function."""
-  if env not in ADAPTERS:
-    raise ValueError(f"unknown env {env!r}; known: {', '.join(sorted(ADAPTERS))}")
-  module = importlib.import_module(ADAPTERS[env].split(":")[0])
-  if not hasattr(module, "tasks"):
-    raise ValueError(f"env {env!r}: its adapter {module.__name__} has no tasks() function to draw tasks from")
-  return _TASK_CALLS.get(env, _default_task_call)(module, game, split, n, start, params)
 
 
 def plan_episodes(cfg: CollectConfig, make_tasks: Callable[..., list[Task]] = env_tasks) -> list[Episode]:
@@ -234,16 +199,6 @@ def _load_done(path: Path) -> dict[str, TrajectoryRecord]:
   return done
 
 
-def make_batch_env(cfg: CollectConfig):
-  kwargs = parse_env_kwargs(cfg.env_kwargs)
-  if cfg.num_workers <= 0:
-    return SerialBatchEnv([make_env(cfg.env, **kwargs) for _ in range(cfg.rows_per_worker)])
-  from dreamjax.envs.pool import EnvPool
-
-  return EnvPool(cfg.env, kwargs, cfg.num_workers, step_timeout_s=cfg.step_timeout_s,
-                 reset_timeout_s=cfg.reset_timeout_s)
-
-
 def collect(cfg: CollectConfig, episodes: Sequence[Episode] | None = None, batch=None) -> dict[str, Any]:
   """Collects the planned episodes that out_dir's JSONL lacks, then writes summary.json (and the TFDS dataset).
   `batch` may be any BatchEnv (it is not closed here); by default an EnvPool (or in-process envs) is made."""
@@ -260,7 +215,8 @@ def collect(cfg: CollectConfig, episodes: Sequence[Episode] | None = None, batch
   todo = collections.deque(e for e in episodes if e.episode_id not in done)
   rows = max(cfg.num_workers, 1) * cfg.rows_per_worker
   owned = batch is None
-  batch = make_batch_env(cfg) if owned else batch
+  batch = make_batch_env(cfg.env, cfg.env_kwargs, cfg.rows_per_worker, cfg.num_workers,
+                         step_timeout_s=cfg.step_timeout_s, reset_timeout_s=cfg.reset_timeout_s) if owned else batch
   tries: collections.Counter = collections.Counter()
   errors: list[str] = []
   steps = written = 0
@@ -304,26 +260,4 @@ def collect(cfg: CollectConfig, episodes: Sequence[Episode] | None = None, batch
     from dreamjax.data.tfds_dataset import build_dataset
 
     build_dataset([jsonl], out / "tfds", eval_fraction=cfg.eval_fraction)
-  return summary
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-  lines = [f"{summary['episodes_done']}/{summary['episodes_planned']} episodes in {summary['jsonl']}; this run: "
-           f"{summary['episodes_this_run']} episodes, {summary['steps_this_run']} steps in "
-           f"{summary['seconds_this_run']:.1f} s ({summary['steps_per_s']:.1f} steps/s, "
-           f"{summary['episodes_per_s']:.2f} episodes/s, {summary['rows']} rows, {summary['num_workers']} workers, "
-           f"{summary['infrastructure_errors']} infrastructure errors, {summary['restarts']} restarts)",
-           "", "| policy | episodes | success rate | mean steps | fallback steps |", "|---|---|---|---|---|"]
-  for name, s in summary["policies"].items():
-    lines.append(f"| {name} | {s['episodes']} | {s['success_rate']:.3f} | {s['mean_steps']:.1f} | "
-                 f"{s['fallback_steps']} |")
-  return "\n".join(lines)
-
-
-def run(cfg: CollectConfig) -> dict[str, Any]:
-  """The `dreamjax collect` command."""
-  summary = collect(cfg)
-  print(format_summary(summary))
-  print(f"summary: {Path(cfg.out_dir) / 'summary.json'}" +
-        (f"; TFDS dataset: {Path(cfg.out_dir) / 'tfds'}" if cfg.build_tfds else ""))
   return summary

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +198,25 @@ def iter_trajectories(path: str | Path) -> Iterator[TrajectoryRecord]:
 
 def read_trajectories(path: str | Path) -> list[TrajectoryRecord]:
   return list(iter_trajectories(path))
+
+
+def read_trajectory_files(paths: Sequence[str | Path], field: str = "data", max_episodes: int = 0
+                          ) -> list[TrajectoryRecord]:
+  """The records of several JSONL files in order (the first `max_episodes`, 0: all); a missing file, no files, or an
+  episode id that appears twice is an error naming `field` (the config field that gave the paths)."""
+  if not paths:
+    raise ValueError(f"{field}: no trajectory files given (collect some with `dreamjax collect`)")
+  records: list[TrajectoryRecord] = []
+  seen: dict[str, str] = {}
+  for path in paths:
+    if not Path(path).is_file():
+      raise ValueError(f"{field}: {path} does not exist (collect trajectories with `dreamjax collect` first)")
+    for r in iter_trajectories(path):
+      if r.episode_id in seen:
+        raise ValueError(f"{field}: episode {r.episode_id!r} of {path} appears in {seen[r.episode_id]} already")
+      seen[r.episode_id] = str(path)
+      records.append(r)
+  return records[:max_episodes] if max_episodes else records
 
 
 def game_of(task: Task) -> str:

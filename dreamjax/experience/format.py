@@ -1,7 +1,7 @@
 """The experience model's text interface: the prompt it reads, the target it is trained to write, and the parser.
 
 M_exp sees [task instruction, optional tutorial, k retrieved past transitions, recent history, current state and
-action] and writes (PAPER.md "Experience model") a reasoning trace first, then the next state and the outcome:
+action] and writes (docs/paper_map.md, "Experience model") a reasoning trace first, then the next state and the outcome:
 
   <think>
   why the action leads where it does

@@ -1,4 +1,4 @@
-"""SyntheticEnv: the experience model M_exp behind the batched Env protocol (PAPER.md "Experience model").
+"""SyntheticEnv: the experience model M_exp behind the batched Env protocol (docs/paper_map.md, "Experience model").
 
 The rollout engine drives it exactly like a real env: `reset_batch(tasks)` gives each row's initial observation,
 `step_batch(actions)` answers every row given an action. One `step_batch` does, for all stepped rows at once:
@@ -114,6 +114,7 @@ class SyntheticEnv:
   evaluation; a new bucket compiles once more)."""
 
   name = "synthetic"
+  synthetic = True  # its steps are synthetic transitions, not real ones (training loops count them apart)
 
   def __init__(self, model_cfg: ModelConfig, params: Any, tokenizer: Tokenizer, fmt: ExpFormatConfig, retriever,
                *, initial_states: Mapping[str, Observation], max_new_tokens: int = 512, temperature: float = 1.0,
@@ -320,6 +321,12 @@ class SyntheticEnv:
     s["mean_generated_tokens"] = s["generated_tokens"] / s["steps"] if s["steps"] else 0.0
     s["compilations"] = self.sampler.compilations()
     return s
+
+  def start_iteration(self, iteration: int) -> None:
+    """Starts a training iteration's single batch: its default key folds in the iteration (so a resumed run draws
+    what the uninterrupted one did), and the stats and digest count this iteration alone."""
+    self.batches = iteration
+    self.reset_stats()
 
   def reset_stats(self) -> None:
     self._stats = dict.fromkeys(_STAT_KEYS, 0)

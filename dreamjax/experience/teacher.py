@@ -7,10 +7,16 @@ Robustness, since a dataset is thousands of calls:
 - Every request is `POST {base_url}/chat/completions` (standard library urllib; no client package). The API key is
   read from the environment variable `api_key_env` when it is set (local servers often need none) and is never
   written anywhere.
+- The key goes only to `base_url`'s host. Redirects are not followed: urllib would resend the request, Authorization
+  header included, to whatever host the Location names (and as a GET without the body, so no redirect of this POST
+  API can work anyway); a 3xx answer raises TeacherError naming its target. A plain http:// base URL to a host other
+  than this machine (not loopback) warns at construction when the key is set, since the key would cross the network
+  unencrypted.
 - Retries with exponential backoff (`backoff_s * 2**attempt`, capped) on HTTP 429 (honouring Retry-After) and 5xx,
-  timeouts, dropped connections, and answers that do not validate (not JSON, wrong number of reasons, an empty reason,
-  a format tag of the experience model's output inside a reason). Other HTTP errors (400, 401, 404: a wrong URL,
-  model or key) raise at once, since retrying or falling back would only hide a misconfiguration.
+  timeouts, dropped connections, and answers that do not validate (not JSON, JSON nested too deeply to parse, wrong
+  number of reasons, an empty reason, a format tag of the experience model's output inside a reason). Other HTTP
+  errors (3xx, 400, 401, 404: a wrong URL, model or key) raise at once, since retrying or falling back would only hide
+  a misconfiguration.
 - When every attempt fails, `on_failure="raise"` raises TeacherError naming the episode and the last error;
   `on_failure="fallback"` warns and returns the fallback annotator's annotation (the env's rule-based one by default),
   which is not cached, so a later run asks the teacher again.
@@ -24,12 +30,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import http.client
+import ipaddress
 import json
 import os
 import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import warnings
 from collections.abc import Callable
@@ -63,6 +71,22 @@ SYSTEM_PROMPT = (
 
 class TeacherError(RuntimeError):
   """The teacher could not annotate an episode (misconfiguration, or every retry failed)."""
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+  def redirect_request(self, req, fp, code, msg, headers, newurl):
+    return None  # urllib then raises the 3xx as an HTTPError, which `_post` reports
+
+
+def _is_loopback(host: str) -> bool:
+  """Whether `host` (a URL's hostname) names this machine; names are not resolved, so only localhost counts."""
+  host = host.lower()
+  if host == "localhost" or host.endswith(".localhost"):
+    return True
+  try:
+    return ipaddress.ip_address(host).is_loopback
+  except ValueError:
+    return False
 
 
 class _Retryable(Exception):
@@ -107,13 +131,16 @@ def parse_answer(content: str, num_steps: int) -> tuple[str, tuple[str, ...]]:
     text = text.split("\n", 1)[1] if "\n" in text else ""
     text = text.rsplit("```", 1)[0]
   try:
-    answer = json.loads(text)
-  except json.JSONDecodeError:
-    start, end = text.find("{"), text.rfind("}")
     try:
-      answer = json.loads(text[start : end + 1]) if 0 <= start < end else None
+      answer = json.loads(text)
     except json.JSONDecodeError:
-      answer = None
+      start, end = text.find("{"), text.rfind("}")
+      try:
+        answer = json.loads(text[start : end + 1]) if 0 <= start < end else None
+      except json.JSONDecodeError:
+        answer = None
+  except RecursionError:  # no ValueError: uncaught, it would end `dreamjax annotate` whatever on_failure says
+    raise ValueError(f"the answer is JSON nested too deeply to parse: {clip(content, 120)!r}") from None
   if not isinstance(answer, dict):
     raise ValueError(f"the answer is not a JSON object: {clip(content, 120)!r}")
   tutorial, reasons = answer.get("tutorial"), answer.get("reasons")
@@ -146,6 +173,12 @@ class TeacherAnnotator:
     if max_retries < 0 or timeout_s <= 0:
       raise ValueError(f"max_retries must be >= 0 and timeout_s > 0, got {max_retries} and {timeout_s}")
     self.url = base_url.rstrip("/") + "/chat/completions"
+    parts = urllib.parse.urlsplit(self.url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+      raise ValueError(f"base_url must be an http:// or https:// URL, got {base_url!r}")
+    if parts.scheme == "http" and os.environ.get(api_key_env) and not _is_loopback(parts.hostname):
+      warnings.warn(f"teacher base_url {base_url} is plain http to {parts.hostname}, not this machine: the API key "
+                    f"from ${api_key_env} would cross the network unencrypted (use https)", stacklevel=2)
     self.model, self.api_key_env, self.max_retries, self.timeout_s = model, api_key_env, max_retries, timeout_s
     self.cache_dir = Path(cache_dir) if cache_dir is not None else None
     self.temperature, self.backoff_s, self.max_backoff_s = temperature, backoff_s, max_backoff_s
@@ -154,6 +187,8 @@ class TeacherAnnotator:
     self.name = f"teacher:{model}"
     self.stats = TeacherStats()
     self._lock = threading.Lock()  # stats may be updated from annotate_file's worker threads
+    # urlopen's default opener, less redirects (OpenerDirector.open is used from several threads, as urlopen is).
+    self._opener = urllib.request.build_opener(_NoRedirect)
 
   def request_body(self, record: TrajectoryRecord) -> dict[str, Any]:
     body: dict[str, Any] = {
@@ -207,17 +242,23 @@ class TeacherAnnotator:
 
   def _post(self, body: dict[str, Any]) -> str:
     """The answer's message content; _Retryable for transient failures, TeacherError for configuration errors."""
-    headers = {"Content-Type": "application/json"}
+    request = urllib.request.Request(self.url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
     api_key = os.environ.get(self.api_key_env, "")
     if api_key:
-      headers["Authorization"] = f"Bearer {api_key}"
-    request = urllib.request.Request(self.url, data=json.dumps(body).encode(), headers=headers, method="POST")
+      # Unredirected: should a redirect ever be followed, urllib does not copy this header to it.
+      request.add_unredirected_header("Authorization", f"Bearer {api_key}")
     self._count(requests=1)
     try:
-      with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+      with self._opener.open(request, timeout=self.timeout_s) as response:
         raw = response.read()
     except urllib.error.HTTPError as e:
       detail = clip(e.read().decode("utf-8", "replace").strip(), 300) if e.fp is not None else ""
+      if 300 <= e.code < 400:
+        target = e.headers.get("Location") if e.headers is not None else None
+        raise TeacherError(f"{self.name}: HTTP {e.code} from {self.url} redirects to {target or '(no Location)'}: "
+                           "not followed, since the request and its API key would go to another address (not "
+                           "retried: set the base URL to the address that serves the API)") from None
       if e.code == 429 or e.code >= 500:
         retry_after = e.headers.get("Retry-After") if e.headers is not None else None
         try:
@@ -235,7 +276,7 @@ class TeacherAnnotator:
       raise _Retryable(f"connection to {self.url} failed: {type(e).__name__}: {e}") from None
     try:
       content = json.loads(raw)["choices"][0]["message"]["content"]
-    except (ValueError, KeyError, IndexError, TypeError):
+    except (ValueError, KeyError, IndexError, TypeError, RecursionError):
       raise _Retryable(f"malformed response body from {self.url}: {clip(raw.decode('utf-8', 'replace'), 120)!r}"
                        ) from None
     if not isinstance(content, str):
@@ -252,7 +293,7 @@ class TeacherAnnotator:
     try:
       entry = json.loads(path.read_text(encoding="utf-8"))
       return parse_answer(json.dumps({"tutorial": entry["tutorial"], "reasons": entry["reasons"]}), num_steps)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
       warnings.warn(f"{path}: unreadable cache entry ({e}); asking the teacher again", stacklevel=3)
       return None
 

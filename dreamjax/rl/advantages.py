@@ -4,12 +4,12 @@ Everything here runs on fixed shapes: padded rows and steps are switched off by 
 over a static number of groups, and GAE is a reverse `lax.scan`. No value ever reaches Python control flow, so a batch
 with a different mix of valid rows, group sizes or episode lengths reuses the same compiled program.
 
-GRPO (PAPER.md "RL": A = (r - mean_G r) / std_G r). Two degenerate groups are defined to give exactly 0, with no
+GRPO (docs/paper_map.md, "RL": A = (r - mean_G r) / std_G r). Two degenerate groups are defined to give exactly 0, with no
 epsilon-sized noise: groups whose valid rewards are all equal (the sum-then-divide mean of equal float32 values need
 not equal them bit for bit, so "centred reward is 0" is decided on max == min, not on the arithmetic) and groups with a
 single valid row (nothing to compare against; verl would hand such a row its raw reward, which for outcome rewards
 pushes up whatever a lone rollout did). The std is the unbiased one by default (`ddof=1`), as verl (`torch.std`) and
-hence the verl-agent defaults the paper follows; the curriculum's reward variance (PAPER.md "Curriculum") is the
+hence the verl-agent defaults the paper follows; the curriculum's reward variance (docs/paper_map.md, "Curriculum") is the
 population one, which `ddof=0` gives. `normalize_std=False` is Dr. GRPO: the centred reward without the std division.
 
 GAE runs along the second axis, which may be turns (one value per turn) or tokens. A masked-out step resets the

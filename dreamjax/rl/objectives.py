@@ -9,7 +9,7 @@ micro-batch's loss by its share of that count, which makes k accumulated micro-b
 
 PPO = clipped surrogate + value loss through the model's value head (`vf_coef` > 0), usually without a KL term;
 GRPO = clipped surrogate + KL to the reference policy (`kl_coef` > 0, low-variance KL), no critic. The registry holds
-both with verl-agent-like defaults (PAPER.md "RL"); override fields with `make_objective(name, **fields)`.
+both with verl-agent-like defaults (docs/paper_map.md, "RL"); override fields with `make_objective(name, **fields)`.
 `rng` is unused by these objectives (the model has no dropout); it is part of the signature for objectives that sample.
 """
 

@@ -1,6 +1,6 @@
 """The agent's side of the conversation: the per-turn prompt and the `<think>...</think><action>...</action>` answer.
 
-Every turn the policy gets a fresh two-message prompt (PAPER.md "Agent prompt"), not a growing chat: a system message
+Every turn the policy gets a fresh two-message prompt (docs/paper_map.md, "Agent prompt"), not a growing chat: a system message
 (role and answer format), then one user message with the task, the number of steps taken, the recent history, the
 current state and the admissible actions. A fresh prompt keeps its length bounded however long the episode runs, and
 matches what verl-agent (whose defaults the paper follows) shows its agents. The user message is one segment of kind

@@ -110,7 +110,7 @@ class RolloutEngine:
   """Runs G rollouts of each task with one policy; `run` returns token-in/token-out `Trajectories`."""
 
   def __init__(self, policy_cfg: ModelConfig, tokenizer: Tokenizer, agent_format: AgentFormat,
-               rollout_cfg: RolloutConfig, mesh: jax.sharding.Mesh | None = None):
+               rollout_cfg: RolloutConfig, mesh: jax.sharding.Mesh | None = None, sampler: Sampler | None = None):
     if tokenizer.chat_format is None:
       raise ValueError("RolloutEngine: the tokenizer has no chat template, so turns cannot be built")
     if policy_cfg.vocab_size < tokenizer.vocab_size:
@@ -121,10 +121,14 @@ class RolloutEngine:
       raise ValueError(f"RolloutEngine: the largest prompt bucket plus max_action_tokens is {longest} tokens, beyond "
                        f"the policy's max_position_embeddings {policy_cfg.max_position_embeddings}")
     self.policy_cfg, self.tokenizer, self.format, self.cfg = policy_cfg, tokenizer, agent_format, rollout_cfg
-    self.sampler = Sampler(policy_cfg, rollout_cfg.max_action_tokens, pad_id=tokenizer.pad_id, mesh=mesh)
+    # Engines of one model with the same action budget may share a sampler (temperature and the other settings are
+    # runtime arguments), so evaluation reuses the rollout's compilations.
+    if sampler is not None and (sampler.max_new_tokens, sampler.pad_id) != (rollout_cfg.max_action_tokens,
+                                                                           tokenizer.pad_id):
+      raise ValueError("RolloutEngine: a shared sampler must have this engine's max_action_tokens and pad id")
+    self.sampler = sampler or Sampler(policy_cfg, rollout_cfg.max_action_tokens, pad_id=tokenizer.pad_id, mesh=mesh)
     self.stop_ids = tuple(dict.fromkeys((tokenizer.chat_format.end_of_turn, *tokenizer.eos_ids)))
     self._frame = np.full(len(tokenizer.chat_format.generation_prompt), Kind.ACTION_FRAME, np.int32)
-    self.stats: dict = {}
 
   def turn_prompt(self, instruction: str, step: int, history: Sequence[tuple[str, str]], state: str,
                   admissible: Sequence[str], where: str = "") -> SegmentBuilder:
@@ -236,8 +240,7 @@ class RolloutEngine:
     stats["host_s"] = stats["total_s"] - stats["sample_s"] - stats["env_s"]
     stats.update(episodes=n, rows=traj.num_rows, buckets=sorted(stats["buckets"]),
                  compilations=self.sampler.compilations(), assemble_s=time.perf_counter() - t0)
-    self.stats = stats
-    return traj
+    return dataclasses.replace(traj, stats=stats)
 
   def _episode(self, task: Task, obs: Observation, row: int) -> _Episode:
     if not isinstance(obs, Observation):

@@ -1,6 +1,6 @@
 """What the rollout engine hands to the update: token-in/token-out turn rows plus per-episode outcomes.
 
-The agent sees one prompt per turn (task, step count, recent history, current state, admissible actions; PAPER.md
+The agent sees one prompt per turn (task, step count, recent history, current state, admissible actions; docs/paper_map.md,
 "Agent prompt"), so a turn is the unit of the token arrays: row m holds turn `turn[m]` of episode `episode[m]`, its
 prompt ids exactly as the sampler consumed them followed by the sampled action ids exactly as produced. Nothing is
 re-tokenised between rollout and update, so `rollout_logp` lines up with what the update recomputes.
@@ -16,6 +16,8 @@ the same task in one batch share `group[e]` (the GRPO group).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +48,9 @@ class Trajectories:
   success: np.ndarray  # bool [N]
   ended: np.ndarray  # bool [N]: the env ended the episode (False: turn or token budget ran out)
   records: tuple[TrajectoryRecord, ...]  # the same episodes as text (for the replay buffer and logs)
+  # How the rollout went (RolloutEngine.run: seconds sampling and in the env, turns, sampled tokens, parse failures,
+  # invalid actions, prompt buckets, compilations); empty for batches built by hand.
+  stats: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   @property
   def num_rows(self) -> int:

@@ -1,4 +1,4 @@
-"""The DreamGym row of experiments/bench/grpo_iteration.py: one `RealEnvRL.iteration` against `SyntheticEnv`, with the
+"""The DreamGym row of experiments/bench/grpo_iteration.py: one `PolicyLearner.iteration` against `SyntheticEnv`, with the
 benchmark model's architecture as both policy and M_exp (see grpo_iteration.py's docstring for what it measures).
 
 Setup, all from dreamjax's own parts:
@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dreamjax.data.collect import env_tasks
 from dreamjax.data.records import TrajectoryRecord, transitions
+from dreamjax.envs.registry import env_tasks
 from dreamjax.experience.format import (
     ExpFormatConfig,
     render_example,
@@ -45,6 +45,10 @@ from dreamjax.experience.format import (
 )
 from dreamjax.experience.sft_data import ExampleBuilder, annotations_for, build_examples
 from dreamjax.experience.synthetic_env import SyntheticEnv, initial_states_from
+from dreamjax.loop.learner import PolicyLearner
+from dreamjax.loop.learner import RLConfig
+from dreamjax.loop.model import load_model
+from dreamjax.loop.policy_data import RowConfig, policy_texts, sft_rows
 from dreamjax.models import load_hf_checkpoint, save_hf_checkpoint
 from dreamjax.replay.encoder import BackbonePooledEncoder
 from dreamjax.replay.index import make_index
@@ -58,9 +62,6 @@ from dreamjax.rl.update import make_train_step
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
 from dreamjax.text import train_bpe_tokenizer
-from dreamjax.train.policy_data import RowConfig, policy_texts, sft_rows
-from dreamjax.train.rl_real import RealEnvRL, RLConfig
-from dreamjax.train.run import load_model
 
 COIN = "numLocations=2, includeDoors=0, numDistractorItems=0"
 AGENT = AgentFormat(think=False, history_turns=1, history_token_budget=100)
@@ -172,14 +173,13 @@ def bench(base: Path, args, prompts: int, group: int, objective, optim, flops_fn
   synthetic = SyntheticEnv(cfg, exp_params, tok, EXP, retriever, initial_states=initial_states_from(records),
                            max_new_tokens=args.exp_new_tokens, temperature=1.0, prompt_buckets=(args.exp_bucket,),
                            key=jax.random.key(1), max_steps=args.turns)
-  learner = RealEnvRL(rl, cfg, params, tok)
+  learner = PolicyLearner(rl, cfg, params, tok)
   tasks = list({r.task.task_id: r.task for r in records}.values())[:prompts]
   if len(tasks) < prompts:
     raise ValueError(f"DreamGym row: {len(tasks)} distinct tasks recorded, {prompts} needed; raise --episodes")
   steps = []
   for it in range(args.warmup + args.runs):
-    synthetic.batches = it
-    synthetic.reset_stats()
+    synthetic.start_iteration(it)
     metrics, traj = learner.iteration(synthetic, tasks, it)
     s = synthetic.stats
     # Every row is updated (no zero-variance filter).

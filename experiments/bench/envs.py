@@ -30,10 +30,9 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
-from dreamjax.data.collect import env_tasks  # noqa: E402
 from dreamjax.envs.base import SerialBatchEnv, Task  # noqa: E402
 from dreamjax.envs.pool import EnvPool  # noqa: E402
-from dreamjax.envs.registry import ADAPTERS, make_env  # noqa: E402
+from dreamjax.envs.registry import ADAPTERS, env_tasks, make_env  # noqa: E402
 from dreamjax.envs.web_state import instantiate  # noqa: E402
 
 

@@ -8,16 +8,16 @@ Writes table.md and results.json to --out.
 Rows (each: `--warmup` iterations, which compile, then the median of `--runs` iterations; rows 1 and 2 have fixed
 shapes, so nothing compiles after the first iteration; the DreamGym row's turn rows vary in length, so a new length
 bucket can still compile in a timed iteration):
-1. `dreamjax GRPO`: tunix's workload on dreamjax's parts, the code path of `dreamjax rl` (`RealEnvRL`): 4 prompts
+1. `dreamjax GRPO`: tunix's workload on dreamjax's parts, the code path of `dreamjax rl` (`PolicyLearner`): 4 prompts
    x 4 samples of `--prompt-len` random ids, `--new-tokens` new tokens at temperature 1 from the learner's rollout
    sampler (single turn, so no env and no text: prompt ids in, sampled ids and log-probs out), reward = the fraction
-   of even ids in the completion (the same function tunix_peer.py gives tunix), then `RealEnvRL.build_batch`
-   (reference log-probs for the KL term; GRPO advantages) and `RealEnvRL.update` (one AdamW step on all 16 rows, lr
+   of even ids in the completion (the same function tunix_peer.py gives tunix), then `PolicyLearner.build_batch`
+   (reference log-probs for the KL term; GRPO advantages) and `PolicyLearner.update` (one AdamW step on all 16 rows, lr
    1e-6, clip 1.0, low-variance KL 0.02, token-mean loss). Phases: rollout (sampling), scoring (reference log-probs
    and batch), update.
 2. `tunix GRPO`: the same workload in tunix's `GRPOLearner` (experiments/bench/tunix_peer.py, its own venv, run after
    row 1, not at the same time), with its phases from tunix's own calls; the ratio is tunix's seconds over dreamjax's.
-3. `DreamGym GRPO`: `RealEnvRL.iteration` against `SyntheticEnv`, as `dreamjax dreamgym` runs it: 4 TextWorld-Express
+3. `DreamGym GRPO`: `PolicyLearner.iteration` against `SyntheticEnv`, as `dreamjax dreamgym` runs it: 4 TextWorld-Express
    coin tasks x 4 rollouts, up to `--turns` turns, policy and M_exp alternating, both the standard model's
    architecture, M_exp retrieving its top-k from the offline transitions (backbone-pooled encoder, exact index) every
    step. No peer: tunix has no experience model. A random model never writes the answer format (no answer would
@@ -59,6 +59,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from dreamjax.loop.learner import PolicyLearner
+from dreamjax.loop.learner import RLConfig
 from dreamjax.models import ModelConfig, load_hf_checkpoint  # noqa: E402
 from dreamjax.rl.objectives import PolicyGradientConfig  # noqa: E402
 from dreamjax.rl.optim import OptimConfig  # noqa: E402
@@ -67,7 +69,6 @@ from dreamjax.rollout.engine import RolloutConfig  # noqa: E402
 from dreamjax.rollout.trajectory import Trajectories  # noqa: E402
 from dreamjax.sampling import sampling_params  # noqa: E402
 from dreamjax.text import Kind, train_bpe_tokenizer  # noqa: E402
-from dreamjax.train.rl_real import RealEnvRL, RLConfig  # noqa: E402
 from experiments.bench import dreamgym_row, peers  # noqa: E402
 from experiments.bench.sampler import ensure_model  # noqa: E402
 
@@ -118,20 +119,20 @@ def matmul_ceiling(sizes: Sequence[int] = (1024, 2048), repeats: int = 5) -> flo
 
 
 def id_tokenizer():
-  """A small BPE with a chat template: `RealEnvRL` builds rollout engines that need one, though this row's single-turn
+  """A small BPE with a chat template: `PolicyLearner` builds rollout engines that need one, though this row's single-turn
   rollout never turns ids into text."""
   with tempfile.TemporaryDirectory(prefix="bench_grpo_tok_") as folder:
     return train_bpe_tokenizer(["the benchmark prompts are random token ids", "no text is ever decoded"] * 4, folder,
                                vocab_size=300)
 
 
-def grpo_learner(model_cfg: ModelConfig, params, tok, prompt_len: int, new_tokens: int) -> RealEnvRL:
+def grpo_learner(model_cfg: ModelConfig, params, tok, prompt_len: int, new_tokens: int) -> PolicyLearner:
   rows = PROMPTS * GROUP
   cfg = RLConfig(objective=OBJECTIVE, optim=OPTIM, tasks_per_iteration=PROMPTS, rows_per_step=rows, score_batch=rows,
                  pad_to=64, rollout=RolloutConfig(group_size=GROUP, max_turns=1, max_action_tokens=new_tokens,
                                                   max_episode_tokens=new_tokens, prompt_buckets=(prompt_len,),
                                                   temperature=1.0), agent=AgentFormat(think=False))
-  return RealEnvRL(cfg, model_cfg, params, tok)
+  return PolicyLearner(cfg, model_cfg, params, tok)
 
 
 def single_turn(prompts: np.ndarray, tokens: np.ndarray, logps: np.ndarray, lengths: np.ndarray) -> Trajectories:

@@ -20,7 +20,7 @@ against the copy baseline). At the end the model is saved as an HF folder (with 
 which records the format, max_len, decode budget and retrieval encoder the model was trained with) and the final
 held-out fidelity goes into summary.json.
 
-Tracking (`dreamjax.track.Tracker`, `track`): config.json, metrics.jsonl (fresh on every run), summary.json, and W&B
+Tracking (`dreamjax.loop.track.Tracker`, `track`): config.json, metrics.jsonl (fresh on every run), summary.json, and W&B
 when `track.wandb` is "online" or "offline"; a progress bar over the steps when stderr is a terminal.
 
 Several processes (multi-host): as policy SFT (its docstring): `initialize(cfg.distributed)` first, the same program
@@ -44,8 +44,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from dreamjax.data.records import TrajectoryRecord, read_trajectories
+from dreamjax.data.records import read_trajectory_files
 from dreamjax.experience.annotate import Annotation, read_annotations
+from dreamjax.experience.exp_model import ENCODERS, META_FILE, exp_retriever
 from dreamjax.experience.fidelity import MIN_BUCKET, Predictor, one_step, prompt_buckets, teacher_forced
 from dreamjax.experience.format import ExpFormatConfig
 from dreamjax.experience.sft_data import (
@@ -57,36 +58,20 @@ from dreamjax.experience.sft_data import (
     corpus,
     split_by_task,
 )
-from dreamjax.models import load_hf_checkpoint
-from dreamjax.parallel import (
-    DistributedConfig,
-    MeshConfig,
-    barrier,
-    initialize,
-    is_primary,
-    make_mesh,
-    spans_every_process,
-)
-from dreamjax.replay.encoder import BackbonePooledEncoder, make_encoder
-from dreamjax.replay.index import make_index
-from dreamjax.replay.retriever import Retriever
+from dreamjax.loop.config import RunConfig, run_mesh
+from dreamjax.loop.model import ModelSource, prepare_model, save_model
+from dreamjax.loop.track import Tracker, echo, progress, to_json
+from dreamjax.parallel import initialize
 from dreamjax.rl.batch import sft_batch
 from dreamjax.rl.logprobs import LogpScorer, score_len_for
 from dreamjax.rl.objectives import make_objective
 from dreamjax.rl.optim import OptimConfig, make_optimizer
 from dreamjax.rl.train_state import create_train_state
 from dreamjax.rl.update import make_train_step
-from dreamjax.text import load_tokenizer
-from dreamjax.track import Tracker, TrackConfig, echo, progress
-from dreamjax.train.policy_sft import save_final
-from dreamjax.train.run import ModelSource, build_tiny_checkpoint, load_model, to_json
-
-META_FILE = "exp_model.json"
-ENCODERS = ("minilm", "backbone")
 
 
 @dataclasses.dataclass(frozen=True)
-class ExpSftConfig:
+class ExpSftConfig(RunConfig):
   trajectories: tuple[str, ...] = ()  # offline trajectory JSONL files (dreamjax collect)
   annotations: tuple[str, ...] = ()  # annotation JSONL files; empty: the rule-based annotator, run on the fly
   max_episodes: int = 0  # read at most this many episodes (0: all)
@@ -108,10 +93,6 @@ class ExpSftConfig:
   retrieval_exclude: str = "episode"  # what a training example's neighbours never share with it: "episode" | "task"
   log_every: int = 10
   out_dir: str = "runs/exp_sft/twx"
-  seed: int = 0
-  mesh: MeshConfig = MeshConfig()  # all sizes positive: the first prod(sizes) devices; one -1: all devices
-  track: TrackConfig = TrackConfig()
-  distributed: DistributedConfig = DistributedConfig()  # multi-process runs; single-process by default
 
   def __post_init__(self):
     if self.retrieval_exclude not in EXCLUDE:
@@ -125,30 +106,8 @@ class ExpSftConfig:
       raise ValueError("ExpSftConfig: steps, epochs, eval_every and max_new_tokens must be >= 0")
 
 
-def mesh_of(cfg: MeshConfig) -> jax.sharding.Mesh:
-  sizes = [cfg.data, cfg.fsdp, cfg.tensor]
-  devices = jax.devices() if -1 in sizes else jax.devices()[: math.prod(sizes)]
-  return spans_every_process(make_mesh(cfg, devices), "ExpSftConfig.mesh")
-
-
 def length_buckets(max_len: int) -> tuple[int, ...]:
   return prompt_buckets(max_len)
-
-
-def load_records(paths: tuple[str, ...], max_episodes: int = 0) -> list[TrajectoryRecord]:
-  if not paths:
-    raise ValueError("ExpSftConfig.trajectories: no trajectory files given")
-  records: list[TrajectoryRecord] = []
-  for path in paths:
-    if not Path(path).is_file():
-      raise ValueError(f"ExpSftConfig.trajectories: {path} does not exist")
-    records += read_trajectories(path)
-  seen: dict[str, str] = {}
-  for r in records:
-    if r.episode_id in seen:
-      raise ValueError(f"ExpSftConfig.trajectories: episode {r.episode_id!r} appears twice")
-    seen[r.episode_id] = ""
-  return records[:max_episodes] if max_episodes else records
 
 
 def load_annotation_files(paths: tuple[str, ...]) -> dict[str, Annotation] | None:
@@ -161,22 +120,6 @@ def load_annotation_files(paths: tuple[str, ...]) -> dict[str, Annotation] | Non
         raise ValueError(f"{path}: episode {key!r} is annotated in an earlier annotation file too")
       out[key] = a
   return out
-
-
-def make_retriever(name: str, encoder_folder: str | Path) -> Retriever:
-  """A fresh retriever with the run's phi: MiniLM, or the pooled backbone of the checkpoint in `encoder_folder`.
-
-  Encoder and exact index run on this process's first device: with several processes each one encodes and searches
-  the same transitions itself, so nothing crosses processes. (Left to their defaults, `load_hf_checkpoint` and
-  `ExactIndex` would use the first device of the whole cluster, which other processes cannot address.)"""
-  device = jax.local_devices()[0]
-  if name == "minilm":
-    encoder = make_encoder("minilm")
-  else:
-    local = jax.sharding.Mesh(np.asarray([device]).reshape(1, 1, 1), ("data", "fsdp", "tensor"))
-    cfg, params = load_hf_checkpoint(encoder_folder, mesh=local)
-    encoder = BackbonePooledEncoder(cfg, params, load_tokenizer(encoder_folder))
-  return Retriever(encoder, make_index("auto", encoder.dim, exact_kw={"device": device}))
 
 
 def decode_budget(examples: list[ExpExample], max_len: int) -> int:
@@ -216,22 +159,15 @@ def run(cfg: ExpSftConfig) -> dict[str, Any]:
 
 
 def _train(cfg: ExpSftConfig, out: Path, tracker: Tracker, t0: float) -> dict[str, Any]:
-  records = load_records(cfg.trajectories, cfg.max_episodes)
+  records = read_trajectory_files(cfg.trajectories, "ExpSftConfig.trajectories", cfg.max_episodes)
   notes = annotations_for(records, load_annotation_files(cfg.annotations))
   train_records, _ = split_by_task(records, cfg.held_out_fraction, cfg.seed)
-  if cfg.model.checkpoint:
-    init_folder = Path(cfg.model.checkpoint)
-  else:
-    init_folder = out / "init"
-    # Process 0 alone decides and writes; every process meets the barrier, then loads the folder.
-    if is_primary() and not (init_folder / "config.json").is_file():
-      tiny = cfg.model.tiny.replace(max_position_embeddings=max(cfg.model.tiny.max_position_embeddings, cfg.max_len))
-      build_tiny_checkpoint(dataclasses.replace(cfg.model, tiny=tiny), corpus(train_records, notes, cfg.format),
-                            init_folder, cfg.seed)
-    barrier("exp_sft.init_model")
-  mesh = mesh_of(cfg.mesh)
-  model_cfg, params, tokenizer = load_model(init_folder, value_head=False, mesh=mesh, seed=cfg.seed)
-  retriever = make_retriever(cfg.retrieval_encoder, init_folder) if cfg.format.retrieval and cfg.format.k else None
+  tiny = cfg.model.tiny.replace(max_position_embeddings=max(cfg.model.tiny.max_position_embeddings, cfg.max_len))
+  mesh = run_mesh(cfg)
+  init_folder, model_cfg, params, tokenizer = prepare_model(
+      dataclasses.replace(cfg.model, tiny=tiny), out / "init", lambda: corpus(train_records, notes, cfg.format),
+      seed=cfg.seed, mesh=mesh)
+  retriever = exp_retriever(cfg.retrieval_encoder, init_folder) if cfg.format.retrieval and cfg.format.k else None
   builder = ExampleBuilder(tokenizer, cfg.format, cfg.max_len)
   data = build_sft_data(records, builder, retriever, held_out_fraction=cfg.held_out_fraction, seed=cfg.seed,
                         annotations=notes, exclude=cfg.retrieval_exclude)
@@ -277,7 +213,7 @@ def _train(cfg: ExpSftConfig, out: Path, tracker: Tracker, t0: float) -> dict[st
         history.append(tracker.log(step, row))
         echo(f"step {step}/{total}: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(row.items())
                                                    if isinstance(v, float) and k in _SHOWN))
-  checkpoint = save_final(state.params, model_cfg, init_folder, out / "checkpoint")
+  checkpoint = save_model(state.params, model_cfg, init_folder, out / "checkpoint")
   meta = {"format": to_json(cfg.format), "max_len": cfg.max_len, "max_new_tokens": max_new,
           "retrieval_encoder": cfg.retrieval_encoder, "encoder_folder": str(init_folder), "env": records[0].env}
   if tracker.primary:

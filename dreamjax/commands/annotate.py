@@ -26,7 +26,7 @@ from typing import Any
 from dreamjax.data.records import iter_trajectories
 from dreamjax.experience.annotate import Annotator, annotate_file, rule_annotator, success_references
 from dreamjax.experience.teacher import FAILURE_MODES, TeacherAnnotator, TeacherError
-from dreamjax.track import progress
+from dreamjax.loop.track import progress
 
 ANNOTATORS = ("rules", "teacher")
 

@@ -29,17 +29,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dreamjax.commands.dpo import DpoConfig
+from dreamjax.commands.dreamgym import DreamGymConfig
+from dreamjax.commands.eval import EvalRunConfig
+from dreamjax.commands.train_exp import ExpSftConfig
+from dreamjax.commands.train_policy import PolicySftConfig
 from dreamjax.data.collect import CollectConfig
 from dreamjax.data.jsonl import read_jsonl
 from dreamjax.data.records import read_trajectories
-from dreamjax.train.dpo import DpoConfig
-from dreamjax.train.dreamgym import DreamGymConfig
-from dreamjax.train.eval_run import EvalRunConfig
-from dreamjax.train.exp_sft import ExpSftConfig
+from dreamjax.loop.evaluate import EvalConfig, wilson_interval
+from dreamjax.loop.learner import RLConfig, TaskSpec
+from dreamjax.loop.plots import success_bars
+from dreamjax.loop.track import to_json
 from dreamjax.rollout.agent import AgentFormat
-from dreamjax.train.policy_sft import EvalConfig, PolicySftConfig
-from dreamjax.train.rl_real import RLConfig, TaskSpec
-from dreamjax.train.run import to_json, wilson_interval
 
 ABLATIONS = ("no_replay", "no_curriculum", "no_reasoning")
 
@@ -75,7 +77,7 @@ class ReproduceConfig:
     wrong = {k: v for k, v in envs.items() if v is not None and v != self.eval.env}
     if wrong:
       raise ValueError(f"ReproduceConfig: eval.env is {self.eval.env!r} but {', '.join(f'{k}.env is {v!r}' for k, v in wrong.items())}; "
-                       f"point every stage at one env (dreamjax.reproduce.on_env does)")
+                       f"point every stage at one env (dreamjax.commands.reproduce.on_env does)")
 
 
 def on_env(cfg: ReproduceConfig, *, env: str, env_kwargs: tuple[str, ...], agent: AgentFormat,
@@ -145,8 +147,9 @@ def _stage(folder: Path, marker: str, fn: Callable[[], Any]) -> dict[str, Any]:
 
 
 def run(cfg: ReproduceConfig) -> dict[str, Any]:
-  from dreamjax.data.collect import run as collect
-  from dreamjax.train import dpo, dreamgym, eval_run, exp_sft, policy_sft, rl_real
+  from dreamjax.commands import dpo, dreamgym, rl, train_exp, train_policy
+  from dreamjax.commands import eval as eval_run
+  from dreamjax.commands.collect import run as collect
 
   out = Path(cfg.out_dir)
   out.mkdir(parents=True, exist_ok=True)
@@ -159,10 +162,10 @@ def run(cfg: ReproduceConfig) -> dict[str, Any]:
   def exp_model(name: str, **fmt) -> str:
     exp = dataclasses.replace(cfg.exp, trajectories=(str(data),), out_dir=str(out / name),
                               format=dataclasses.replace(cfg.exp.format, **fmt))
-    return _stage(out / name, "summary.json", lambda: exp_sft.run(exp))["checkpoint"]
+    return _stage(out / name, "summary.json", lambda: train_exp.run(exp))["checkpoint"]
 
   sft_cfg = dataclasses.replace(cfg.sft, data=(str(data),), out_dir=str(out / "sft"))
-  sft = _stage(out / "sft", "summary.json", lambda: policy_sft.run(sft_cfg))["checkpoint"]
+  sft = _stage(out / "sft", "summary.json", lambda: train_policy.run(sft_cfg))["checkpoint"]
   rows: list[dict[str, Any]] = []
 
   def add_row(method: str, runs: list[tuple[Path, dict[str, Any]]]) -> None:
@@ -194,7 +197,7 @@ def run(cfg: ReproduceConfig) -> dict[str, Any]:
   if cfg.real is not None:
     for alg in cfg.algorithms:
       add_row(f"{alg.upper()} (real env)",
-              seeds(f"real_{alg}", lambda s, f, alg=alg: real_rl(alg, sft, s, f), rl_real.run))
+              seeds(f"real_{alg}", lambda s, f, alg=alg: real_rl(alg, sft, s, f), rl.run))
 
   def dream(alg: str, s: int, folder: Path, exp: str, **kw) -> DreamGymConfig:
     d = cfg.dreamgym
@@ -213,7 +216,7 @@ def run(cfg: ReproduceConfig) -> dict[str, Any]:
         add_row(f"DreamGym-S2R {alg.upper()}",
                 seeds(f"s2r_{alg}", lambda s, f, alg=alg, starts=starts: real_rl(alg, starts[s], s, f,
                                                                                   cfg.s2r_transitions),
-                      rl_real.run))
+                      rl.run))
     for ablation in cfg.ablations:
       kw: dict[str, Any] = {}
       exp_ab = exp
@@ -235,7 +238,7 @@ def run(cfg: ReproduceConfig) -> dict[str, Any]:
   (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
   text = table(rows, cfg)
   (out / "results.md").write_text(text + "\n")
-  (out / "results.svg").write_text(bar_chart(rows))
+  success_bars(rows, out / "results.svg")
   print(text, flush=True)
   return result
 
@@ -304,25 +307,3 @@ def table(rows: list[dict[str, Any]], cfg: ReproduceConfig) -> str:
     cells += [f"{r['env_s']:.0f}", f"{r['update_s']:.0f}", f"{r['policy_tokens']:.0f}"]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
-
-
-def bar_chart(rows: list[dict[str, Any]]) -> str:
-  """Held-out success per method with its interval, as a self-contained SVG."""
-  w, h, left, top, bottom = 120 * max(1, len(rows)) + 80, 320, 60, 30, 90
-  ph = h - top - bottom
-  py = lambda y: top + ph * (1 - y)  # noqa: E731
-  parts = [f'<rect width="{w}" height="{h}" fill="white"/>']
-  for y in (0, 0.25, 0.5, 0.75, 1):
-    parts.append(f'<line x1="{left}" x2="{w - 20}" y1="{py(y):.1f}" y2="{py(y):.1f}" stroke="#eee"/>'
-                 f'<text x="{left - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y:g}</text>')
-  for i, r in enumerate(rows):
-    x = left + 20 + 120 * i
-    parts.append(f'<rect x="{x}" y="{py(r["success_rate"]):.1f}" width="80" '
-                 f'height="{ph * r["success_rate"]:.1f}" fill="#2060c0"/>'
-                 f'<line x1="{x + 40}" x2="{x + 40}" y1="{py(r["ci_low"]):.1f}" y2="{py(r["ci_high"]):.1f}" '
-                 f'stroke="#e08020" stroke-width="2"/>'
-                 f'<text x="{x + 40}" y="{h - bottom + 16}" text-anchor="middle" font-size="10">{r["method"]}</text>'
-                 f'<text x="{x + 40}" y="{h - bottom + 30}" text-anchor="middle" font-size="10">'
-                 f'{r["real_transitions"]} online real</text>')
-  return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
-          f'font-size="11">' + "".join(parts) + "</svg>\n")

@@ -1,12 +1,13 @@
 """`dreamjax eval`: a policy checkpoint's held-out success on a real environment, as every table compares them.
 
 Any policy folder (SFT, DPO, real-env RL, DreamGym, S2R: all are HF folders) is loaded and run through
-`dreamjax.train.evaluate.evaluate`, greedily (one episode per task) and, with `sampled`, once more at temperature 1
+`dreamjax.loop.evaluate.evaluate`, greedily (one episode per task) and, with `sampled`, once more at temperature 1
 (the stochastic policy RL optimises). The tasks are a `TaskSpec` of the env's held-out fold, so the methods of a table
 are compared on exactly the same games. Writes `eval.json` (rates, 95% Wilson intervals, failure statistics,
 per-task outcomes) to `out_dir` and returns it.
 
-Run: `dreamjax eval --config configs/eval_twx.py --set checkpoint=runs/dreamgym/grpo_twx/final`.
+Run: `dreamjax eval --config <a config defining an EvalRunConfig> --set checkpoint=runs/dreamgym/grpo_twx/final`
+(`dreamjax reproduce` runs it on every final policy with its `eval` section).
 """
 
 from __future__ import annotations
@@ -18,16 +19,18 @@ from typing import Any
 
 import jax
 
-from dreamjax.parallel import MeshConfig, make_mesh, spans_every_process
+from dreamjax.envs.registry import make_batch_env
+from dreamjax.loop.config import RunConfig, run_mesh
+from dreamjax.loop.evaluate import evaluate, greedy_rollout
+from dreamjax.loop.learner import TaskSpec
+from dreamjax.loop.model import load_model
+from dreamjax.loop.track import to_json
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
-from dreamjax.train.evaluate import evaluate, greedy_rollout
-from dreamjax.train.rl_real import TaskSpec, make_batch_env
-from dreamjax.train.run import load_model, to_json
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalRunConfig:
+class EvalRunConfig(RunConfig):
   checkpoint: str = ""  # an HF policy folder
   env: str = "textworld_express"
   env_kwargs: tuple[str, ...] = ("step_limit=20",)
@@ -38,14 +41,7 @@ class EvalRunConfig:
                                          prompt_buckets=(512, 768))
   batch: int = 16  # episodes run together
   sampled: bool = False  # also one episode per task at temperature 1
-  seed: int = 0
   out_dir: str = "runs/eval"
-  mesh: MeshConfig = MeshConfig()
-  devices: int = 0
-
-  @property
-  def rows(self) -> int:  # what make_batch_env builds
-    return self.batch
 
 
 def run(cfg: EvalRunConfig) -> dict[str, Any]:
@@ -53,12 +49,11 @@ def run(cfg: EvalRunConfig) -> dict[str, Any]:
     raise ValueError(f"EvalRunConfig.checkpoint: {cfg.checkpoint!r} is not an HF checkpoint folder")
   if cfg.batch < 1:
     raise ValueError(f"EvalRunConfig.batch must be >= 1, got {cfg.batch}")
-  mesh = spans_every_process(make_mesh(cfg.mesh, jax.devices()[:cfg.devices] if cfg.devices else None),
-                             "EvalRunConfig.mesh, devices")
+  mesh = run_mesh(cfg)
   model_cfg, params, tok = load_model(cfg.checkpoint, mesh=mesh)
   tasks = cfg.tasks.tasks(cfg.env)
   greedy = RolloutEngine(model_cfg, tok, cfg.agent, greedy_rollout(cfg.rollout), mesh=mesh)
-  env = make_batch_env(cfg)
+  env = make_batch_env(cfg.env, cfg.env_kwargs, cfg.batch, cfg.num_workers)
   key = jax.random.key(cfg.seed)
   try:
     result = evaluate(greedy, params, env, tasks, key, batch_size=cfg.batch)

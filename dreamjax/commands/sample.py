@@ -16,14 +16,16 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dreamjax.models import ModelConfig, init_params, load_hf_checkpoint, save_hf_checkpoint, tiny
-from dreamjax.parallel import SAMPLE_RULES, MeshConfig, make_mesh
+from dreamjax.loop.config import RunConfig, run_mesh
+from dreamjax.loop.model import ModelSource, prepare_model
+from dreamjax.models import ModelConfig, tiny
+from dreamjax.parallel import SAMPLE_RULES
 from dreamjax.sampling import Sampler, sampling_params
-from dreamjax.text import Kind, SegmentBuilder, load_tokenizer, train_bpe_tokenizer
+from dreamjax.text import Kind, SegmentBuilder
 
 
 @dataclasses.dataclass(frozen=True)
-class SampleConfig:
+class SampleConfig(RunConfig):
   checkpoint: str = ""  # an HF checkpoint folder (config.json, safetensors, tokenizer); empty: build a tiny one
   out_dir: str = "runs/sample"
   model: ModelConfig = tiny("qwen2", vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=4,
@@ -32,8 +34,6 @@ class SampleConfig:
   max_new_tokens: int = 64
   temperature: float = 1.0
   top_p: float = 0.9
-  seed: int = 0
-  mesh: MeshConfig = MeshConfig()
 
 
 def _corpus(n: int, seed: int) -> list[str]:
@@ -51,23 +51,12 @@ def _corpus(n: int, seed: int) -> list[str]:
   return lines
 
 
-def _build_tiny_checkpoint(cfg: SampleConfig, folder: Path) -> None:
-  tok_dir = folder / "tokenizer"
-  tokenizer = train_bpe_tokenizer(_corpus(2000, cfg.seed), tok_dir, vocab_size=cfg.model.vocab_size)
-  model_cfg = cfg.model.replace(vocab_size=tokenizer.vocab_size, eos_token_id=tokenizer.eos_ids[0])
-  params = init_params(model_cfg, jax.random.key(cfg.seed))
-  save_hf_checkpoint(params, model_cfg, folder, tokenizer_folder=tok_dir)
-
-
 def run(cfg: SampleConfig) -> dict:
   out = Path(cfg.out_dir)
-  folder = Path(cfg.checkpoint) if cfg.checkpoint else out / "tiny-checkpoint"
-  if not cfg.checkpoint and not (folder / "config.json").is_file():
-    print(f"building a tiny random checkpoint in {folder}")
-    _build_tiny_checkpoint(cfg, folder)
-  mesh = make_mesh(cfg.mesh)
-  model_cfg, params = load_hf_checkpoint(folder, mesh=mesh, rules=SAMPLE_RULES)
-  tokenizer = load_tokenizer(folder)
+  mesh = run_mesh(cfg)
+  folder, model_cfg, params, tokenizer = prepare_model(
+      ModelSource(checkpoint=cfg.checkpoint, tiny=cfg.model), out / "tiny-checkpoint",
+      lambda: _corpus(2000, cfg.seed), seed=cfg.seed, mesh=mesh, rules=SAMPLE_RULES)
   prompts = []
   for task in _corpus(cfg.batch, cfg.seed + 1)[::2]:
     conv = SegmentBuilder(tokenizer).append(Kind.SYSTEM, "You are a household agent. Answer with "

@@ -1,74 +1,20 @@
-"""What every training loop shares: the run folder, its metrics log, and where its model comes from.
-
-A run folder holds `config.json` (the resolved config), `metrics.jsonl` (one JSON object per logged step, appended
-and flushed so a killed run keeps what it logged), the checkpoints the loop writes, and its result files; the loops
-write the first two through `dreamjax.track.Tracker`, which uses `MetricsLog` below. Models
-always pass through an HF folder: a real checkpoint given in the config, or a tiny one built for the run (a BPE
-trained on the run's own text and a random model), so tiny CPU runs take the code path a Llama/Qwen checkpoint takes.
+"""Where a run's model comes from and where it goes: every model passes through an HF folder, a real checkpoint given
+in the config or a tiny one built for the run (a BPE trained on the run's own text and a random model), so tiny CPU
+runs take the code path a Llama/Qwen checkpoint takes; the trained model is saved as an HF folder again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 from dreamjax.models import ModelConfig, init_params, load_hf_checkpoint, save_hf_checkpoint, tiny
-from dreamjax.parallel import TRAIN_RULES, Rules
+from dreamjax.parallel import TRAIN_RULES, Rules, barrier, is_primary, to_host
 from dreamjax.text import Tokenizer, load_tokenizer, train_bpe_tokenizer
-
-
-def to_json(value: Any) -> Any:
-  """Config trees (frozen dataclasses, tuples, enums) as plain JSON values."""
-  if dataclasses.is_dataclass(value):
-    return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
-  if isinstance(value, Mapping):
-    return {str(k): to_json(v) for k, v in value.items()}
-  if isinstance(value, list | tuple):
-    return [to_json(v) for v in value]
-  if isinstance(value, set | frozenset):
-    return sorted(to_json(v) for v in value)
-  if isinstance(value, np.generic | jax.Array | np.ndarray):
-    return np.asarray(value).tolist()
-  return value
-
-
-class MetricsLog:
-  """Appends one JSON object per call to `metrics.jsonl`; values are converted to Python floats/ints."""
-
-  def __init__(self, path: Path):
-    self.path = path
-    self._file = open(path, "a", encoding="utf-8")
-    self._start = time.time()
-
-  def log(self, step: int, metrics: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
-    row = {"step": int(step), "time_s": round(time.time() - self._start, 3), **extra, **plain_values(metrics)}
-    self._file.write(json.dumps(row, sort_keys=True) + "\n")
-    self._file.flush()
-    return row
-
-  def close(self) -> None:
-    self._file.close()
-
-
-def plain_values(metrics: Mapping[str, Any]) -> dict[str, Any]:
-  """Metrics (arrays, NumPy or Python scalars) as Python numbers and lists, as a JSON row holds them."""
-  out = {}
-  for k, v in metrics.items():
-    v = np.asarray(v)
-    out[k] = v.item() if v.ndim == 0 else v.tolist()
-  return out
-
-
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-  return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +50,24 @@ def build_tiny_checkpoint(source: ModelSource, texts: Iterable[str], folder: Pat
   return folder
 
 
+def prepare_model(source: ModelSource, init_folder: str | Path, texts: Callable[[], Iterable[str]], *, seed: int,
+                  mesh=None, value_head: bool = False, rebuild: bool = False, rules: Rules = TRAIN_RULES,
+                  overrides: Mapping[str, Any] | None = None) -> tuple[Path, ModelConfig, Any, Tokenizer]:
+  """(HF folder, config, params, tokenizer) of a run's starting model: `source.checkpoint`, or a tiny model of
+  `source.tiny`'s shape with a tokenizer trained on `texts()`, built in `init_folder` when it holds none yet (or
+  always, with `rebuild`) and reused by reruns in the same folder. Process 0 alone builds; every process meets the
+  barrier, then loads the folder (it must be on a filesystem every process sees)."""
+  folder = Path(source.checkpoint or init_folder)
+  if not source.checkpoint:
+    if is_primary() and (rebuild or not (folder / "config.json").is_file()):
+      build_tiny_checkpoint(dataclasses.replace(source, value_head=source.value_head or value_head), texts(), folder,
+                            seed)
+    barrier("init_model")
+  cfg, params, tokenizer = load_model(folder, value_head=source.value_head or value_head, mesh=mesh, rules=rules,
+                                      seed=seed, overrides=overrides)
+  return folder, cfg, params, tokenizer
+
+
 def load_model(folder: str | Path, *, value_head: bool = False, mesh=None, rules: Rules = TRAIN_RULES,
                seed: int = 0, overrides: Mapping[str, Any] | None = None) -> tuple[ModelConfig, Any, Tokenizer]:
   """(config, params, tokenizer) from an HF folder; a value head is added zero-initialised when asked and absent.
@@ -117,16 +81,10 @@ def load_model(folder: str | Path, *, value_head: bool = False, mesh=None, rules
 
 
 def save_model(params: Any, cfg: ModelConfig, tokenizer_folder: str | Path, folder: str | Path) -> Path:
+  """Saves a trained model as an HF folder: gathered on every process (a collective every process must call),
+  written by process 0 alone."""
   folder = Path(folder)
-  save_hf_checkpoint(jax.device_get(params), cfg, folder, tokenizer_folder=tokenizer_folder)
+  params = to_host(params)
+  if is_primary():
+    save_hf_checkpoint(params, cfg, folder, tokenizer_folder=tokenizer_folder)
   return folder
-
-
-def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-  """95% Wilson score interval of a success rate: sensible at small n and at rates of 0 or 1, unlike mean +- 2 SE."""
-  if n == 0:
-    return 0.0, 1.0
-  p = successes / n
-  centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-  half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-  return max(0.0, centre - half), min(1.0, centre + half)

@@ -1,11 +1,15 @@
 """Memory arithmetic: parameter counts and bytes per device of an RL or DreamGym run, from configs alone.
 
-Nothing here allocates or traces: parameters are enumerated from the `ModelConfig` exactly as
-`dreamjax.models.transformer` declares them (names, shapes, logical axes; tests check the list against
-`abstract_params`), and each array's shard on one device comes from `logical_to_spec` over an `AbstractMesh`, so the
-sharding arithmetic is the rule tables' own, not a copy of it.
+Nothing here allocates: the parameter list is the model's own, `dreamjax.models.abstract_params` (its init traced by
+`jax.eval_shape`, once per config) read leaf by leaf as `dreamjax.parallel.sharding.tree_shardings` reads it (path,
+shape, dtype, logical axes), and each array's shard on one device comes from `logical_to_spec` over an
+`AbstractMesh`, so neither the parameter tree nor the sharding arithmetic is a copy that could drift from the model.
 
-What the loops keep on a device, and in which layout (read from dreamjax/rl and dreamjax/train):
+The run's settings are taken duck-typed (`Any`): the planner sits above models, parallel and rl and below the training
+loops, so it reads the fields `RL_FIELDS` and `DREAMGYM_FIELDS` list from whatever config classes the loops define,
+without importing them.
+
+What the loops keep on a device, and in which layout (read from dreamjax/rl and the training loops):
 - policy parameters in the TRAIN_RULES layout (`embed` over fsdp, heads / kv heads / mlp / vocab over tensor);
 - AdamW state: `optax.scale_by_adam` keeps two moments in the parameters' dtype (no float32 master copy: the update
   is applied to the parameters themselves), sharded like them; the rest of the chain is stateless or scalars;
@@ -40,28 +44,30 @@ larger.
 Checked against XLA's own accounting (`compiled.memory_analysis().temp_size_in_bytes`, CPU, one device; see
 tests/test_memory.py): the update step's activations and gradients came to 1.02-1.09x of it with remat off (lengths
 256 and 512, vocabularies 512 and 2048, 4 and 8 heads, one query block or blocks of 64), the sampler's forward to
-1.15-1.35x (the estimate errs on the safe side: it adds the attention and MLP temporaries, which XLA overlaps). On CPU, XLA's temp memory did
-not shrink with remat="full" (the recomputing matmuls are there, 142 dots against 110, but its scheduler keeps the
-memory), so the remat rows are the textbook figures, to be checked on an accelerator with the same call.
+1.15-1.35x (the estimate errs on the safe side: it adds the attention and MLP temporaries, which XLA overlaps). On
+CPU, XLA's temp memory did not shrink with remat="full" (the recomputing matmuls are there, 142 dots against 110, but
+its scheduler keeps the memory), so the remat rows are the textbook figures, to be checked on an accelerator with the
+same call.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
 from dreamjax.models.config import ModelConfig, from_hf_config
+from dreamjax.models.params import abstract_params
 from dreamjax.parallel.mesh import AXES, MeshConfig
 from dreamjax.parallel.sharding import SAMPLE_RULES, TRAIN_RULES, Rules, logical_to_spec
 from dreamjax.rl.logprobs import MAX_LOGITS
-
-if TYPE_CHECKING:
-  from dreamjax.train.dreamgym import DreamGymConfig
-  from dreamjax.train.rl_real import RLConfig
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -91,6 +97,18 @@ PUBLISHED: dict[str, dict[str, Any]] = {
 }
 PUBLISHED_SIZES = {"llama-3.2-3b": 3.21e9, "llama-3.1-8b": 8.03e9, "qwen2.5-7b": 7.62e9}
 
+# The fields the planner reads of the loops' configs (dotted: nested configs), so a config class can be checked
+# without importing it. An RL config (`plan_rl`, and `rl` of a DreamGym config): `rows` the rollout rows per
+# iteration, `rows_per_step` / `micro_batches` the update's rows and gradient accumulation, `pad_to` the row-length
+# rounding, `score_batch` the scoring pass's rows, `rollout.prompt_buckets` (the last one is the widest prompt) and
+# `rollout.max_action_tokens` the sampler's shape, `objective.kl_coef` whether a reference model is kept.
+RL_FIELDS = ("rows", "rows_per_step", "micro_batches", "pad_to", "score_batch", "rollout.prompt_buckets",
+             "rollout.max_action_tokens", "objective.kl_coef")
+# A DreamGym config (`plan_dreamgym`): `rl` as above, M_exp's widest prompt and answer budget, and the curriculum's
+# task-generation settings (whether and how many seeds M_task writes variants of, its prompt buckets and budget).
+DREAMGYM_FIELDS = ("rl", "exp_prompt_buckets", "exp_max_new_tokens", "curriculum.enabled", "curriculum.generate_every",
+                   "curriculum.seeds_per_round", "curriculum.max_new_tokens", "curriculum.generation.prompt_buckets")
+
 # Memory one process may use per device (GiB), what a plan is compared against: a TPU chip's HBM; on GPUs 90% of it,
 # the XLA_PYTHON_CLIENT_MEM_FRACTION that tpu/gpu_*.sh set (JAX's own default, 0.75, would leave less).
 ACCELERATORS = {"v4": 32.0, "v5e": 16.0, "v5p": 95.0, "v6e": 32.0, "h100": 72.0, "h200": 126.9, "a100-40gb": 36.0,
@@ -104,45 +122,58 @@ def published_config(name: str, **overrides) -> ModelConfig:
   return from_hf_config(PUBLISHED[name], source=f"PUBLISHED[{name!r}]", **overrides)
 
 
+def missing_fields(cfg: Any, fields: Sequence[str]) -> tuple[str, ...]:
+  """The dotted `fields` (`RL_FIELDS`, `DREAMGYM_FIELDS`) that `cfg` lacks."""
+
+  def has(obj: Any, dotted: str) -> bool:
+    for name in dotted.split("."):
+      if not hasattr(obj, name):
+        return False
+      obj = getattr(obj, name)
+    return True
+
+  return tuple(f for f in fields if not has(cfg, f))
+
+
+def _require(cfg: Any, fields: Sequence[str], what: str) -> None:
+  # Configs are duck-typed: a missing field is named here rather than surfacing as an AttributeError mid-plan.
+  if missing := missing_fields(cfg, fields):
+    raise ValueError(f"{what}: a {type(cfg).__name__} has no {', '.join(missing)} (the planner reads "
+                     f"{', '.join(fields)})")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
   path: str  # "layers_3/attn/q", as in the parameter tree
   shape: tuple[int, ...]
   axes: tuple[str | None, ...]  # logical axis names
+  dtype: str  # numpy name of the parameter's dtype ("bfloat16", "float32")
 
   @property
   def size(self) -> int:
     return math.prod(self.shape)
 
+  @property
+  def itemsize(self) -> int:
+    return jnp.dtype(self.dtype).itemsize  # jnp's, which knows bfloat16 by name
 
+
+def _is_box(x) -> bool:
+  return isinstance(x, nn.Partitioned)
+
+
+# Keyed by the (frozen, hashable) config: a plan asks for the same model's list many times, and tracing an 8B model's
+# init is the one non-trivial cost here.
+@functools.lru_cache(maxsize=64)
 def param_specs(cfg: ModelConfig) -> tuple[ParamSpec, ...]:
-  """Every parameter the transformer declares, in its module order."""
-  e, m, v, h, k, d = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_heads, cfg.num_kv_heads,
-                      cfg.head_dim)
-  out = [ParamSpec("embed", (v, e), ("vocab", "embed"))]
-  for i in range(cfg.num_layers):
-    p = f"layers_{i}/"
-    layer = [ParamSpec(p + "attn_norm/scale", (e,), ("norm",))]
-    for name, heads, axis in (("q", h, "heads"), ("k", k, "kv_heads"), ("v", k, "kv_heads")):
-      layer.append(ParamSpec(f"{p}attn/{name}", (e, heads, d), ("embed", axis, "head_dim")))
-      if cfg.qkv_bias:
-        layer.append(ParamSpec(f"{p}attn/{name}_bias", (heads, d), (axis, "head_dim")))
-    layer.append(ParamSpec(p + "attn/o", (h, d, e), ("heads", "head_dim", "embed")))
-    if cfg.o_bias:
-      layer.append(ParamSpec(p + "attn/o_bias", (e,), ("embed",)))
-    layer.append(ParamSpec(p + "mlp_norm/scale", (e,), ("norm",)))
-    for name, shape, axes, bias_axis in (("gate", (e, m), ("embed", "mlp"), "mlp"),
-                                         ("up", (e, m), ("embed", "mlp"), "mlp"),
-                                         ("down", (m, e), ("mlp", "embed"), "embed")):
-      layer.append(ParamSpec(f"{p}mlp/{name}", shape, axes))
-      if cfg.mlp_bias:
-        layer.append(ParamSpec(f"{p}mlp/{name}_bias", shape[-1:], (bias_axis,)))
-    out += layer
-  out.append(ParamSpec("final_norm/scale", (e,), ("norm",)))
-  if not cfg.tie_word_embeddings:
-    out.append(ParamSpec("lm_head", (e, v), ("embed", "vocab")))
-  if cfg.value_head:
-    out.append(ParamSpec("value_head", (e,), ("embed",)))
+  """Every parameter of the model, in the tree's (sorted) order: `abstract_params`' leaves, unboxed as
+  `tree_shardings` unboxes them (an `nn.Partitioned` box's names are the logical axes; a bare leaf is replicated)."""
+  out = []
+  for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params(cfg), is_leaf=_is_box):
+    value = leaf.value if _is_box(leaf) else leaf
+    axes = tuple(leaf.names) if _is_box(leaf) else (None,) * len(value.shape)
+    out.append(ParamSpec(jax.tree_util.keystr(path, simple=True, separator="/"), tuple(value.shape), axes,
+                         jnp.dtype(value.dtype).name))
   return tuple(out)
 
 
@@ -198,9 +229,9 @@ def _divisor(axis: str, dim: int, sizes: Mapping[str, int], rules: Rules) -> int
 
 
 def param_bytes(cfg: ModelConfig, sizes: Mapping[str, int], rules: Rules, dtype: str | None = None) -> int:
-  """Bytes of one device's parameter shards (in `dtype`, default the config's param_dtype)."""
-  width = DTYPE_BYTES[dtype or cfg.param_dtype]
-  return width * sum(shard_elements(s.axes, s.shape, sizes, rules) for s in param_specs(cfg))
+  """Bytes of one device's parameter shards (in `dtype`, default each parameter's own, the config's param_dtype)."""
+  return sum(shard_elements(s.axes, s.shape, sizes, rules) * (DTYPE_BYTES[dtype] if dtype else s.itemsize)
+             for s in param_specs(cfg))
 
 
 def same_layout(cfg: ModelConfig, sizes: Mapping[str, int], a: Rules, b: Rules) -> bool:
@@ -353,7 +384,7 @@ class MemoryPlan:
     return "\n".join(rows)
 
 
-def _learner_lines(rl: RLConfig, policy: ModelConfig, sizes: Mapping[str, int],
+def _learner_lines(rl: Any, policy: ModelConfig, sizes: Mapping[str, int],
                    sampling: tuple[str, ...]) -> tuple[list[Line], list[Line]]:
   """The RL learner's (resident, transient) lines: training state and reference; rollout sampling (live in the
   `sampling` phases), reference scoring and the update step."""
@@ -383,18 +414,23 @@ def _learner_lines(rl: RLConfig, policy: ModelConfig, sizes: Mapping[str, int],
   return resident, transient
 
 
-def plan_rl(rl: RLConfig, policy: ModelConfig, sizes: Mapping[str, int], title: str = "dreamjax rl") -> MemoryPlan:
-  """The real-env loop (`dreamjax rl`): policy, AdamW, reference, rollouts, scoring, update."""
+def plan_rl(rl: Any, policy: ModelConfig, sizes: Mapping[str, int], title: str = "dreamjax rl") -> MemoryPlan:
+  """The real-env loop (`dreamjax rl`): policy, AdamW, reference, rollouts, scoring, update. `rl` is the loop's RL
+  config, read duck-typed (`RL_FIELDS`)."""
+  _require(rl, RL_FIELDS, "plan_rl")
   _check_rows(rl, sizes)
   resident, transient = _learner_lines(rl, policy, sizes, ("rollout",))
   return MemoryPlan(title, dict(sizes), (("policy", policy),), tuple(resident + transient),
                     ("rollout", "score", "update"))
 
 
-def plan_dreamgym(cfg: DreamGymConfig, policy: ModelConfig, exp: ModelConfig, sizes: Mapping[str, int],
+def plan_dreamgym(cfg: Any, policy: ModelConfig, exp: ModelConfig, sizes: Mapping[str, int],
                   title: str = "dreamjax dreamgym") -> MemoryPlan:
   """The DreamGym loop: the RL learner plus M_exp (sampling layout, resident), its KV cache when it answers the
-  policy's turns, and M_task's generation calls (M_exp's weights, the curriculum's budget)."""
+  policy's turns, and M_task's generation calls (M_exp's weights, the curriculum's budget). `cfg` is the DreamGym
+  config, read duck-typed (`DREAMGYM_FIELDS`, and `RL_FIELDS` of its `rl`)."""
+  _require(cfg, DREAMGYM_FIELDS, "plan_dreamgym")
+  _require(cfg.rl, RL_FIELDS, "plan_dreamgym")
   rl, c = cfg.rl, cfg.curriculum
   _check_rows(rl, sizes)
   if not cfg.exp_prompt_buckets or not cfg.exp_max_new_tokens:
@@ -426,7 +462,7 @@ def plan_dreamgym(cfg: DreamGymConfig, policy: ModelConfig, exp: ModelConfig, si
   return MemoryPlan(title, dict(sizes), (("policy", policy), ("M_exp", exp)), tuple(resident + transient), phases)
 
 
-def _check_rows(rl: RLConfig, sizes: Mapping[str, int]) -> None:
+def _check_rows(rl: Any, sizes: Mapping[str, int]) -> None:
   dp = sizes["data"] * sizes["fsdp"]  # TrainStep splits rows over the batch axes (data, fsdp)
   if rl.rows_per_step % (rl.micro_batches * dp):
     raise ValueError(f"RLConfig.rows_per_step ({rl.rows_per_step}) must be a multiple of micro_batches "

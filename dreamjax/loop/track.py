@@ -2,7 +2,7 @@
 
 - Local backend (always on): `config.json` and `metrics.jsonl` in the run folder (`MetricsLog`: one JSON object per
   logged step, flushed at once so a killed run keeps what it logged), `summary.json`, and `plot_metrics`' SVG of the
-  training curves. Nothing else is needed to read a run.
+  training curves (`dreamjax.loop.plots`). Nothing else is needed to read a run.
 - W&B backend (`TrackConfig.wandb`): "online" needs an API key and the network; "offline" writes the run under
   `<out_dir>/wandb/offline-run-*` with no network (upload later with `wandb sync`), with wandb's cache, config and
   data folders under `<out_dir>/wandb` too unless the user set them. Its console capture is off (the loops print
@@ -30,6 +30,7 @@ import os
 import secrets
 import string
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,10 +39,56 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from dreamjax.train.run import MetricsLog, plain_values, read_metrics
+from dreamjax.loop.plots import metric_curves
+
+
+def to_json(value: Any) -> Any:
+  """Config trees (frozen dataclasses, tuples, enums) as plain JSON values."""
+  if dataclasses.is_dataclass(value):
+    return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+  if isinstance(value, Mapping):
+    return {str(k): to_json(v) for k, v in value.items()}
+  if isinstance(value, list | tuple):
+    return [to_json(v) for v in value]
+  if isinstance(value, set | frozenset):
+    return sorted(to_json(v) for v in value)
+  if isinstance(value, np.generic | jax.Array | np.ndarray):
+    return np.asarray(value).tolist()
+  return value
+
+
+class MetricsLog:
+  """Appends one JSON object per call to `metrics.jsonl`; values are converted to Python floats/ints."""
+
+  def __init__(self, path: Path):
+    self.path = path
+    self._file = open(path, "a", encoding="utf-8")
+    self._start = time.time()
+
+  def log(self, step: int, metrics: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+    row = {"step": int(step), "time_s": round(time.time() - self._start, 3), **extra, **plain_values(metrics)}
+    self._file.write(json.dumps(row, sort_keys=True) + "\n")
+    self._file.flush()
+    return row
+
+  def close(self) -> None:
+    self._file.close()
+
+
+def plain_values(metrics: Mapping[str, Any]) -> dict[str, Any]:
+  """Metrics (arrays, NumPy or Python scalars) as Python numbers and lists, as a JSON row holds them."""
+  out = {}
+  for k, v in metrics.items():
+    v = np.asarray(v)
+    out[k] = v.item() if v.ndim == 0 else v.tolist()
+  return out
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+  return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
 
 WANDB_MODES = ("off", "online", "offline")
-_PLOT_COLOURS = ("#2060c0", "#e08020", "#20a040", "#c02040", "#8040c0", "#606060")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +235,7 @@ class Tracker:
   def plot_metrics(self, keys: Sequence[str], filename: str = "metrics.svg", title: str = "") -> Path:
     """Training curves of `keys` from metrics.jsonl (those present), one panel each."""
     path = self.out / filename
-    return plot_metrics(read_metrics(self.out / "metrics.jsonl"), keys, path, title=title) if self.primary else path
+    return metric_curves(read_metrics(self.out / "metrics.jsonl"), keys, path, title=title) if self.primary else path
 
   def close(self) -> None:
     if self._log is not None:
@@ -219,38 +266,3 @@ def echo(message: str) -> None:
   """Prints a line to stdout around any active progress bar."""
   tqdm.write(message, file=sys.stdout)
   sys.stdout.flush()
-
-
-def plot_metrics(rows: Sequence[Mapping[str, Any]], keys: Sequence[str], path: str | Path, *, title: str = "",
-                 x_key: str = "step") -> Path:
-  """A self-contained SVG: one small line chart per key (against `x_key`), three to a row; keys absent from every
-  row are skipped, and rows lacking a key leave a gap in its line only."""
-  keys = [k for k in keys if any(isinstance(r.get(k), int | float) for r in rows)]
-  w, h, cols = 260, 170, 3
-  height = 30 + h * max(1, -(-len(keys) // cols))
-  parts = [f'<text x="{w * cols // 2}" y="18" text-anchor="middle" font-size="14">{title}</text>']
-  for i, key in enumerate(keys):
-    pts = [(float(r[x_key]), float(r[key])) for r in rows if isinstance(r.get(key), int | float)
-           and np.isfinite(r[key])]
-    x0, y0 = 45 + (i % cols) * w, 30 + (i // cols) * h
-    parts.append(f'<text x="{x0 + (w - 60) // 2}" y="{y0 + 12}" text-anchor="middle">{key}</text>')
-    parts.append(f'<rect x="{x0}" y="{y0 + 18}" width="{w - 60}" height="{h - 50}" fill="none" stroke="#999"/>')
-    if not pts:
-      continue
-    xs, ys = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
-    lo, hi = float(ys.min()), float(ys.max())
-    span_y, span_x = (hi - lo) or 1.0, float(xs.max() - xs.min()) or 1.0
-    px = x0 + (xs - xs.min()) / span_x * (w - 60)
-    py = y0 + 18 + (h - 50) - (ys - lo) / span_y * (h - 50)
-    colour = _PLOT_COLOURS[i % len(_PLOT_COLOURS)]
-    line = " ".join(f"{a:.1f},{b:.1f}" for a, b in zip(px, py))
-    parts.append(f'<polyline points="{line}" fill="none" stroke="{colour}" stroke-width="1.5"/>')
-    parts.append(f'<text x="{x0 - 4}" y="{y0 + 22}" text-anchor="end" font-size="9">{hi:.3g}</text>')
-    parts.append(f'<text x="{x0 - 4}" y="{y0 + h - 32}" text-anchor="end" font-size="9">{lo:.3g}</text>')
-    parts.append(f'<text x="{x0 + w - 60}" y="{y0 + h - 20}" text-anchor="end" font-size="9">{x_key} '
-                 f'{xs.min():.0f}..{xs.max():.0f}</text>')
-  svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{w * cols + 20}" height="{height}" font-family="sans-serif" '
-         f'font-size="11"><rect width="100%" height="100%" fill="white"/>' + "".join(parts) + "</svg>\n")
-  path = Path(path)
-  path.write_text(svg, encoding="utf-8")
-  return path

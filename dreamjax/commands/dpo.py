@@ -1,11 +1,11 @@
 """DPO baseline: preference pairs of successful vs failed episodes of the same task, from an SFT checkpoint.
 
 One run: load the SFT checkpoint (the policy's start and, frozen, the reference policy: the same weights), draw
-pairs from offline trajectories (`dreamjax.train.policy_data.preference_pairs`: per-turn rows in exactly the rollout
+pairs from offline trajectories (`dreamjax.loop.policy_data.preference_pairs`: per-turn rows in exactly the rollout
 layout, leading turns common to both sides dropped), score every distinct row once under the reference
 (`LogpScorer`), then train the shared DPO objective (`make_objective("dpo")`: -log sigmoid of beta times the
 difference of the two trajectories' log-ratio sums) through the shared `TrainStep`. Evaluation (real env, held-out
-tasks), checkpoint and summary are those of policy SFT (`dreamjax.train.policy_sft`).
+tasks), checkpoint and summary are those of policy SFT (`dreamjax.commands.train_policy`).
 
 Reference log-probs are looked up by row content: a row's log-probs depend only on its ids (and the positions and
 mask derived from them), so identical rows, e.g. one chosen episode paired with two failures, share one entry, and
@@ -16,7 +16,7 @@ Fixed shapes: every batch is padded to the same row count (the largest batch of 
 micro-batch fits, see `_rows_per_micro`) and the same length (`pad_to`, or the longest row rounded up to 64), so the
 step compiles once. Pairs are shuffled per epoch by `(seed, epoch)`.
 
-Tracking as in policy SFT (`dreamjax.track.Tracker`, `track`): config.json, a fresh metrics.jsonl per run,
+Tracking as in policy SFT (`dreamjax.loop.track.Tracker`, `track`): config.json, a fresh metrics.jsonl per run,
 summary.json, W&B when `track.wandb` asks for it, and a progress bar over the update steps.
 
 Several processes (multi-host): as policy SFT (its docstring): `initialize(cfg.distributed)` first, the same program
@@ -38,7 +38,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from dreamjax.parallel import TRAIN_RULES, DistributedConfig, MeshConfig, initialize
+from dreamjax.data.records import read_trajectory_files
+from dreamjax.loop.config import RunConfig, check_settings, run_mesh
+from dreamjax.loop.evaluate import EvalConfig, Evaluator, evaluate_and_log, format_eval, training_tasks
+from dreamjax.loop.model import load_model, save_model
+from dreamjax.loop.policy_data import PairConfig, PreferencePair, preference_pairs
+from dreamjax.loop.track import Tracker, echo, progress, to_json
+from dreamjax.parallel import TRAIN_RULES, initialize
 from dreamjax.rl.batch import TokenBatch, dpo_batch
 from dreamjax.rl.logprobs import LogpScorer, score_len_for
 from dreamjax.rl.objectives import make_objective
@@ -47,24 +53,10 @@ from dreamjax.rl.train_state import create_train_state
 from dreamjax.rl.update import data_parallel_size, make_train_step
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
-from dreamjax.track import Tracker, TrackConfig, echo, progress
-from dreamjax.train.policy_data import PairConfig, PreferencePair, preference_pairs
-from dreamjax.train.policy_sft import (
-    EvalConfig,
-    Evaluator,
-    check_loop_settings,
-    evaluate_and_log,
-    format_eval,
-    mesh_of,
-    read_records,
-    save_final,
-    training_tasks,
-)
-from dreamjax.train.run import load_model, to_json
 
 
 @dataclasses.dataclass(frozen=True)
-class DpoConfig:
+class DpoConfig(RunConfig):
   data: tuple[str, ...] = ("runs/collect/twx/trajectories.jsonl",)  # TrajectoryRecord JSONL files
   checkpoint: str = "runs/policy_sft/twx/checkpoint"  # the SFT policy: start and frozen reference
   env: str = "textworld_express"
@@ -85,16 +77,11 @@ class DpoConfig:
   pad_to: int = 0  # 0: the longest row rounded up to 64
   score_batch: int = 16  # rows per reference-scoring call
   eval: EvalConfig = EvalConfig(at_start=True)
-  mesh: MeshConfig = MeshConfig()
-  devices: int = 0  # devices the mesh uses (the first ones); 0: all
   log_every: int = 10
   out_dir: str = "runs/dpo/twx"
-  seed: int = 0
-  track: TrackConfig = TrackConfig()
-  distributed: DistributedConfig = DistributedConfig()  # multi-process runs; single-process by default
 
   def __post_init__(self):
-    check_loop_settings(self, ("pairs_per_step", "micro_batches", "epochs", "score_batch", "log_every"),
+    check_settings(self, ("pairs_per_step", "micro_batches", "epochs", "score_batch", "log_every"),
                         ("max_steps", "pad_to", "devices"))
     if self.beta <= 0:
       raise ValueError(f"DpoConfig.beta must be > 0, got {self.beta}")
@@ -162,8 +149,8 @@ def run(cfg: DpoConfig, env=None) -> dict[str, Any]:
 
 
 def _train(cfg: DpoConfig, env, out: Path, tracker: Tracker, t_start: float) -> dict[str, Any]:
-  mesh = mesh_of(cfg.mesh, cfg.devices)
-  records = read_records(cfg.data)
+  mesh = run_mesh(cfg)
+  records = read_trajectory_files(cfg.data, "DpoConfig.data")
   model_cfg, params, tokenizer = load_model(cfg.checkpoint, mesh=mesh, rules=TRAIN_RULES, seed=cfg.seed)
   pairs, pair_stats = preference_pairs(records, tokenizer, cfg.agent, cfg.pairs, cfg.rollout, think=cfg.think)
   if not pairs:
@@ -221,7 +208,7 @@ def _train(cfg: DpoConfig, env, out: Path, tracker: Tracker, t_start: float) -> 
     evals.append(evaluate_and_log(evaluator, state.params, key, step, tracker))
   finally:
     evaluator.close()
-  checkpoint = save_final(state.params, model_cfg, cfg.checkpoint, out / "checkpoint")
+  checkpoint = save_model(state.params, model_cfg, cfg.checkpoint, out / "checkpoint")
   first, last = history[0], history[-1]
   summary = {
       "checkpoint": str(checkpoint), "reference": cfg.checkpoint, "pairs": pair_stats, "steps": step,

@@ -1,0 +1,34 @@
+"""`dreamjax collect`: expert, random and epsilon-noisy episodes on a real env, written to JSONL (and a TFDS dataset);
+the collector itself is `dreamjax.data.collect`.
+
+Run: `dreamjax collect --config configs/collect_twx.py[:tiny]`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dreamjax.data.collect import CollectConfig, collect
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+  lines = [f"{summary['episodes_done']}/{summary['episodes_planned']} episodes in {summary['jsonl']}; this run: "
+           f"{summary['episodes_this_run']} episodes, {summary['steps_this_run']} steps in "
+           f"{summary['seconds_this_run']:.1f} s ({summary['steps_per_s']:.1f} steps/s, "
+           f"{summary['episodes_per_s']:.2f} episodes/s, {summary['rows']} rows, {summary['num_workers']} workers, "
+           f"{summary['infrastructure_errors']} infrastructure errors, {summary['restarts']} restarts)",
+           "", "| policy | episodes | success rate | mean steps | fallback steps |", "|---|---|---|---|---|"]
+  for name, s in summary["policies"].items():
+    lines.append(f"| {name} | {s['episodes']} | {s['success_rate']:.3f} | {s['mean_steps']:.1f} | "
+                 f"{s['fallback_steps']} |")
+  return "\n".join(lines)
+
+
+def run(cfg: CollectConfig) -> dict[str, Any]:
+  """The `dreamjax collect` command."""
+  summary = collect(cfg)
+  print(format_summary(summary))
+  print(f"summary: {Path(cfg.out_dir) / 'summary.json'}" +
+        (f"; TFDS dataset: {Path(cfg.out_dir) / 'tfds'}" if cfg.build_tfds else ""))
+  return summary

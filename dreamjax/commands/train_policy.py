@@ -1,0 +1,178 @@
+"""Policy SFT (behaviour cloning) on expert trajectories: the warm start for RL and the paper's SFT baseline.
+
+One run: read offline `TrajectoryRecord` JSONL files, load the model (an HF checkpoint, or a tiny one built for the
+run with a BPE trained on the run's own text), turn demonstration turns into per-turn rows identical in layout to
+rollout rows (`dreamjax.loop.policy_data`), train with the shared SFT objective (`make_objective("sft")`: token-mean
+NLL over answer tokens) through the shared jitted `TrainStep`, evaluate the greedy policy's success in the REAL env on
+held-out tasks (and optionally on training tasks) at the end and every `eval.every_steps` updates, and save an HF
+checkpoint folder (RL's warm start) plus `summary.json`.
+
+Tracking (`dreamjax.loop.track.Tracker`, `track`): config.json, metrics.jsonl (fresh on every run: a rerun is a new run,
+it does not append to the last one's rows), summary.json, and W&B when `track.wandb` is "online" or "offline"; a
+progress bar over the update steps when stderr is a terminal.
+
+Batches have fixed shapes so the step compiles once: every batch holds `batch_size` rows (the last batch of an epoch
+is filled with empty rows, which the token-mean loss ignores) and, with `pad_to = 0`, every row is padded to the
+longest row's length rounded up to 64. Rows are shuffled per epoch by `(seed, epoch)`, and the step's PRNG key is
+`fold_in(key(seed), step)`, so a rerun repeats the run.
+
+Evaluation is `dreamjax.loop.evaluate.evaluate`: the rollout engine (the RL code path), greedy, one episode per
+task, in batches of `eval.num_envs` episodes; success rates come with a 95% Wilson interval. Held-out tasks come from
+the env's own held-out fold (`eval.split`), so none of them is in the demonstrations.
+
+A tiny model is built in out_dir/init_model on the first run and reused by reruns in the same folder.
+
+Several processes (multi-host), as `dreamjax rl` (see its docstring): `run` first calls
+`dreamjax.parallel.initialize(cfg.distributed)`, every process runs the same program on the same data and seeds (each
+evaluates on its own copy of the env; the sampler's rows are gathered whole), and process 0 alone writes the run
+folder: config, metrics, summary, the tiny init model (the others load it after a barrier) and the final checkpoint
+(after a gather of the parameters every process takes part in). The mesh must hold devices of every process, and
+`out_dir` must be a filesystem every process sees.
+
+Run: `dreamjax train-policy --config configs/train_policy_twx.py[:variant] [--set key=value ...]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from dreamjax.data.records import read_trajectory_files
+from dreamjax.envs.base import BatchEnv
+from dreamjax.loop.config import RunConfig, check_settings, run_mesh
+from dreamjax.loop.evaluate import EvalConfig, Evaluator, evaluate_and_log, format_eval, training_tasks
+from dreamjax.loop.model import ModelSource, prepare_model, save_model
+from dreamjax.loop.policy_data import RowConfig, TurnRow, policy_texts, sft_rows
+from dreamjax.loop.track import Tracker, echo, progress, to_json
+from dreamjax.parallel import initialize
+from dreamjax.rl.batch import sft_batch
+from dreamjax.rl.logprobs import score_len_for
+from dreamjax.rl.objectives import make_objective
+from dreamjax.rl.optim import OptimConfig, make_optimizer
+from dreamjax.rl.train_state import create_train_state
+from dreamjax.rl.update import make_train_step
+from dreamjax.rollout.agent import AgentFormat
+from dreamjax.rollout.engine import RolloutConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySftConfig(RunConfig):
+  data: tuple[str, ...] = ("runs/collect/twx/trajectories.jsonl",)  # TrajectoryRecord JSONL files
+  env: str = "textworld_express"
+  env_kwargs: tuple[str, ...] = ("step_limit=50",)  # "key=value", as in CollectConfig
+  agent: AgentFormat = AgentFormat(think=False)
+  rows: RowConfig = RowConfig()
+  # The RL run's rollout settings: rows are fitted to its largest prompt bucket and per-turn token budget, and
+  # evaluation runs them greedily.
+  rollout: RolloutConfig = RolloutConfig(max_turns=50, max_action_tokens=32, max_episode_tokens=1024,
+                                         prompt_buckets=(512, 1024))
+  model: ModelSource = ModelSource()
+  optim: OptimConfig = OptimConfig(lr=1e-5, warmup_steps=10)
+  batch_size: int = 32  # rows per update
+  micro_batches: int = 1
+  epochs: int = 1
+  max_steps: int = 0  # 0: `epochs` decide; else stop after this many updates
+  pad_to: int = 0  # row length multiple; 0: the longest row rounded up to 64 (one compilation)
+  eval: EvalConfig = EvalConfig()
+  log_every: int = 10
+  out_dir: str = "runs/policy_sft/twx"
+
+  def __post_init__(self):
+    check_settings(self, ("batch_size", "micro_batches", "epochs", "log_every"), ("max_steps", "pad_to", "devices"))
+
+
+def _batches(rows: Sequence[TurnRow], batch_size: int, rng: np.random.Generator) -> list[list[TurnRow]]:
+  order = rng.permutation(len(rows))
+  return [[rows[i] for i in order[s:s + batch_size]] for s in range(0, len(rows), batch_size)]
+
+
+def padded_length(rows: Sequence[TurnRow], pad_to: int) -> int:
+  longest = max(len(r.ids) for r in rows)
+  return pad_to if pad_to > 0 else -(-longest // 64) * 64
+
+
+def run(cfg: PolicySftConfig, env: BatchEnv | None = None) -> dict[str, Any]:
+  """Trains, evaluates and saves; returns the summary (also written to out_dir/summary.json). `env` (not closed
+  here) replaces the evaluation env built from the config."""
+  initialize(cfg.distributed)  # before anything touches devices: after it, jax.devices() spans every process
+  t_start = time.perf_counter()
+  out = Path(cfg.out_dir)  # the tracker creates it (on process 0, the one writer)
+  with Tracker(out, to_json(cfg), cfg.track) as tracker:
+    return _train(cfg, env, out, tracker, t_start)
+
+
+def _train(cfg: PolicySftConfig, env: BatchEnv | None, out: Path, tracker: Tracker, t_start: float) -> dict[str, Any]:
+  mesh = run_mesh(cfg)
+  records = read_trajectory_files(cfg.data, "PolicySftConfig.data")
+  model_dir, model_cfg, params, tokenizer = prepare_model(
+      cfg.model, out / "init_model", lambda: policy_texts(records, cfg.agent, cfg.rows.think), seed=cfg.seed, mesh=mesh)
+  rows, row_stats = sft_rows(records, tokenizer, cfg.agent, cfg.rows, cfg.rollout)
+  if not rows:
+    raise ValueError(f"data {list(cfg.data)}: no demonstration turns (row counts: {row_stats}); check rows.experts "
+                     f"(policies present: {sorted({r.policy for r in records})}) and rows.successful_only")
+  optimizer = make_optimizer(cfg.optim)
+  step_fn = make_train_step(model_cfg, make_objective("sft"), optimizer, micro_batches=cfg.micro_batches, mesh=mesh)
+  if cfg.batch_size % step_fn.row_multiple:
+    raise ValueError(f"batch_size {cfg.batch_size} must be a multiple of {step_fn.row_multiple} (micro_batches x "
+                     f"data-parallel size)")
+  steps_per_epoch = math.ceil(len(rows) / cfg.batch_size)
+  total = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * steps_per_epoch
+  length = padded_length(rows, cfg.pad_to)
+  score_len = score_len_for([r.loss_mask for r in rows])  # one compilation for every batch
+  demonstrated = {row.episode_id for row in rows}
+  demo_tasks = training_tasks([r for r in records if r.episode_id in demonstrated], cfg.eval.train_tasks)
+  evaluator = Evaluator(model_cfg, tokenizer, cfg.agent, cfg.rollout, cfg.env, cfg.env_kwargs, cfg.eval, demo_tasks,
+                        env=env, mesh=mesh)
+  key = jax.random.key(cfg.seed)
+  state = create_train_state(model_cfg, params, optimizer, mesh)
+  del params
+  history, evals = [], []
+  try:
+    if cfg.eval.at_start:
+      evals.append(evaluate_and_log(evaluator, state.params, key, 0, tracker))
+    step, epoch, t_train = 0, 0, time.perf_counter()
+    with progress(total, "policy_sft", unit="step", enabled=cfg.track.progress and tracker.primary) as bar:
+      while step < total:
+        for batch_rows in _batches(rows, cfg.batch_size, np.random.default_rng([cfg.seed, epoch])):
+          if step >= total:
+            break
+          batch = sft_batch([r.ids for r in batch_rows], [r.loss_mask for r in batch_rows], pad_to=length,
+                            row_multiple=cfg.batch_size)
+          state, metrics = step_fn(state, batch, jax.random.fold_in(key, step), score_len)
+          step += 1
+          bar.update()
+          if step % cfg.log_every == 0 or step == total or step == 1:
+            history.append(tracker.log(step, jax.device_get(metrics), epoch=epoch))
+            echo(f"policy_sft step {step}/{total}: loss {history[-1]['loss']:.4f}")
+          if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total:
+            evals.append(evaluate_and_log(evaluator, state.params, key, step, tracker))
+        epoch += 1
+    train_s = time.perf_counter() - t_train
+    evals.append(evaluate_and_log(evaluator, state.params, key, step, tracker))
+  finally:
+    evaluator.close()
+  checkpoint = save_model(state.params, model_cfg, model_dir, out / "checkpoint")
+  summary = {
+      "checkpoint": str(checkpoint), "init_model": str(model_dir), "rows": row_stats, "steps": step,
+      "epochs": round(step / steps_per_epoch, 3), "row_length": length, "compilations": step_fn.compilations(),
+      "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"], "train_seconds": round(train_s, 3),
+      "eval": evals[-1]["result"], "eval_history": evals, "seconds": round(time.perf_counter() - t_start, 3),
+  }
+  tracker.summary(summary)
+  echo(format_summary(summary))
+  return summary
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+  lines = [f"{summary['steps']} steps ({summary['epochs']} epochs) on {summary['rows']['rows']} rows: loss "
+           f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f} in {summary['train_seconds']:.1f} s"]
+  lines += format_eval(summary["eval"])
+  lines.append(f"checkpoint: {summary['checkpoint']}")
+  return "\n".join(lines)

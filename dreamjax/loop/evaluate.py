@@ -1,0 +1,218 @@
+"""Held-out evaluation of a policy against a real environment: success rate with a 95% Wilson interval, and why
+episodes failed (invalid actions, unparseable answers, budgets).
+
+`evaluate` drives a `RolloutEngine` built for evaluation (`greedy_rollout(cfg)`: group size 1, temperature 0, so one
+episode per task and the policy's most likely answer each turn; group size 1 at a temperature above 0 measures the
+stochastic policy instead) over the tasks in batches of one fixed size, so its
+sampler compiles once per prompt bucket however many tasks there are: a short last batch is filled up with copies of
+its last task whose episodes are run and thrown away. The env must take that many rows (a SerialBatchEnv needs that
+many envs; an EnvPool takes any number).
+
+Counting. A turn is one sampled answer. An answer that does not parse never reaches the env (a parse failure); one
+that parses is an env step, i.e. one real transition, whether the env accepts the action or rejects it as invalid.
+So `env_steps = turns - parse_failures`, and the invalid-action rate is over env steps while the parse-failure rate
+is over turns. Parse failures are found from the stored tokens with the engine's own rule (`unparsed_rows`), never
+from the engine's per-run stats, which would include the filler episodes.
+
+Per-game breakdown: the game is the first path component of the task id (TWX "coin[numLocations=2]", ALFWorld task
+types, MiniWoB task names), so it needs no env-specific code.
+
+`Evaluator` is the evaluation the supervised commands (policy SFT, DPO) run during and after training: held-out
+tasks of the env's own held-out fold (`EvalConfig`) and optionally some of the demonstrations' tasks (fit, not
+generalisation); the RL loops call `evaluate` through their learner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from dreamjax.data.records import TrajectoryRecord
+from dreamjax.envs.base import BatchEnv, Task
+from dreamjax.envs.registry import env_tasks, make_batch_env
+from dreamjax.loop.track import Tracker, echo
+from dreamjax.models import ModelConfig
+from dreamjax.rollout.agent import AgentFormat, parse_answer
+from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
+from dreamjax.rollout.trajectory import Trajectories
+from dreamjax.text import Tokenizer
+
+
+def greedy_rollout(cfg: RolloutConfig) -> RolloutConfig:
+  """The evaluation variant of a rollout config: one greedy episode per task, same budgets and buckets."""
+  return dataclasses.replace(cfg, group_size=1, temperature=0.0)
+
+
+def unparsed_rows(traj: Trajectories, tokenizer: Tokenizer) -> np.ndarray:
+  """bool [M]: the turn's answer did not parse, so the env was not stepped (the engine's rule: the stop token is not
+  part of the answer text; a truncated answer is decoded whole)."""
+  out = np.zeros(traj.num_rows, bool)
+  for m in range(traj.num_rows):
+    ids = traj.tokens[m, traj.prompt_lengths[m]:traj.lengths[m]]
+    text = tokenizer.decode(ids if traj.truncated[m] else ids[:-1])
+    out[m] = parse_answer(text).action is None
+  return out
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+  """95% Wilson score interval of a success rate: sensible at small n and at rates of 0 or 1, unlike mean +- 2 SE."""
+  if n == 0:
+    return 0.0, 1.0
+  p = successes / n
+  centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+  half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+  return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def task_family(task: Task) -> str:
+  """The per-game key of evaluation results: the task id's first path component (TWX "coin[numLocations=2]", ALFWorld
+  task types, MiniWoB task names), so it needs no env-specific code."""
+  return task.task_id.split("/", 1)[0]
+
+
+def rate_with_interval(successes: int, n: int) -> dict[str, float | int]:
+  low, high = wilson_interval(successes, n)
+  return {"episodes": n, "successes": successes, "success_rate": successes / n if n else 0.0, "ci_low": low,
+          "ci_high": high}
+
+
+def evaluate(engine: RolloutEngine, params, env: BatchEnv, tasks: Sequence[Task], key: jax.Array, *,
+             batch_size: int | None = None) -> dict[str, Any]:
+  """One episode per task; returns success (with interval), turn and failure statistics, per-game results and the
+  per-task outcomes (task id, success, turns) in task order. `batch_size` defaults to the number of tasks."""
+  if engine.cfg.group_size != 1:
+    raise ValueError(f"evaluate: the engine has group_size {engine.cfg.group_size}; evaluation runs one episode per "
+                     f"task (build the engine with greedy_rollout(cfg))")
+  if not tasks:
+    raise ValueError("evaluate: no tasks")
+  batch_size = len(tasks) if batch_size is None else batch_size
+  if batch_size < 1:
+    raise ValueError(f"evaluate: batch_size must be >= 1, got {batch_size}")
+  start = time.perf_counter()
+  success, reward, turns, unparsed, invalid, ended = [], [], [], [], [], []
+  for b, first in enumerate(range(0, len(tasks), batch_size)):
+    chunk = list(tasks[first:first + batch_size])
+    n = len(chunk)
+    traj = engine.run(params, env, chunk + [chunk[-1]] * (batch_size - n), jax.random.fold_in(key, b))
+    rows = traj.episode < n
+    bad_parse = unparsed_rows(traj, engine.tokenizer)
+    success += traj.success[:n].tolist()
+    reward += traj.episode_reward[:n].tolist()
+    turns += traj.num_turns[:n].tolist()
+    ended += traj.ended[:n].tolist()
+    unparsed.append(int((bad_parse & rows).sum()))
+    invalid.append(int((traj.invalid & ~bad_parse & rows).sum()))
+  total_turns = int(sum(turns))
+  parse_failures, env_invalid = sum(unparsed), sum(invalid)
+  env_steps = total_turns - parse_failures
+  by_game: dict[str, list[bool]] = defaultdict(list)
+  for task, ok in zip(tasks, success):
+    by_game[task_family(task)].append(ok)
+  return {
+      **rate_with_interval(int(sum(success)), len(tasks)),
+      "mean_reward": float(np.mean(reward)),
+      "mean_turns": total_turns / len(tasks),
+      "turns": total_turns,
+      "env_steps": env_steps,
+      "parse_failures": parse_failures,
+      "env_invalid": env_invalid,
+      "parse_failure_rate": parse_failures / total_turns if total_turns else 0.0,
+      "invalid_rate": env_invalid / env_steps if env_steps else 0.0,
+      "truncated_rate": 1.0 - float(np.mean(ended)),
+      "temperature": engine.cfg.temperature,
+      "per_game": {g: rate_with_interval(int(sum(v)), len(v)) for g, v in sorted(by_game.items())},
+      "outcomes": [[t.task_id, bool(s), int(k)] for t, s, k in zip(tasks, success, turns)],
+      "eval_s": time.perf_counter() - start,
+  }
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """Where and how the policy's success is measured in the real env."""
+
+  games: tuple[str, ...] = ("coin",)
+  split: str = "dev"  # held-out tasks come from the env's own held-out fold
+  num_tasks: int = 20  # per game
+  task_start: int = 0
+  game_params: str = ""  # env-specific game settings (TWX: "numLocations=2, includeDoors=0")
+  train_tasks: int = 0  # also evaluate on this many tasks of the demonstrations (fit, not generalisation)
+  every_steps: int = 0  # 0: only at the end
+  at_start: bool = False  # also before the first update (the starting policy's success)
+  num_envs: int = 4  # episodes run together (the sampler's batch)
+  num_workers: int = 0  # 0: envs in this process; else an EnvPool of this many processes
+
+  def __post_init__(self):
+    if min(self.num_tasks, self.train_tasks, self.every_steps, self.task_start) < 0 or self.num_envs < 1:
+      raise ValueError(f"EvalConfig: num_tasks, train_tasks, every_steps and task_start must be >= 0 and num_envs "
+                       f">= 1, got {self}")
+
+
+def held_out_tasks(env: str, cfg: EvalConfig) -> list[Task]:
+  return [t for g in cfg.games for t in env_tasks(env, g, cfg.split, cfg.num_tasks, cfg.task_start, cfg.game_params)]
+
+
+def training_tasks(records: Sequence[TrajectoryRecord], n: int) -> list[Task]:
+  """The first n distinct tasks of `records`, in file order."""
+  seen: dict[str, Task] = {}
+  for r in records:
+    if len(seen) >= n:
+      break
+    seen.setdefault(r.task.task_id, r.task)
+  return list(seen.values())
+
+
+class Evaluator:
+  """Held-out (and training-task) success of a policy in the real env, through `evaluate`
+  (greedy, one episode per task); owns the env unless one is given."""
+
+  def __init__(self, model_cfg: ModelConfig, tokenizer: Tokenizer, fmt: AgentFormat, rollout: RolloutConfig,
+               env_name: str, env_kwargs: Sequence[str], cfg: EvalConfig, train_tasks: Sequence[Task],
+               env: BatchEnv | None = None, mesh=None):
+    self.engine = RolloutEngine(model_cfg, tokenizer, fmt, greedy_rollout(rollout), mesh=mesh)
+    self.cfg, self.train_tasks = cfg, list(train_tasks)
+    self.held_out = held_out_tasks(env_name, cfg) if cfg.num_tasks > 0 else []
+    self._owned = env is None
+    self.env = make_batch_env(env_name, env_kwargs, cfg.num_envs, cfg.num_workers) if env is None else env
+
+  def __call__(self, params, key: jax.Array) -> dict[str, Any]:
+    if self.engine.sampler.mesh is not None:  # sampling shards differently from training
+      params = jax.device_put(params, self.engine.sampler.param_shardings())
+    out = {}
+    for side, tasks in (("held_out", self.held_out), ("train", self.train_tasks)):
+      if tasks:
+        out[side] = evaluate(self.engine, params, self.env, tasks, jax.random.fold_in(key, len(out)),
+                             batch_size=self.cfg.num_envs)
+    return out
+
+  def close(self) -> None:
+    if self._owned:
+      self.env.close()
+
+
+def flat_eval_metrics(result: dict[str, Any]) -> dict[str, float]:
+  keys = ("success_rate", "ci_low", "ci_high", "episodes", "mean_turns", "parse_failure_rate", "invalid_rate",
+          "truncated_rate")
+  return {f"eval/{side}/{k}": r[k] for side, r in result.items() for k in keys}
+
+
+def evaluate_and_log(evaluator: Evaluator, params, key: jax.Array, step: int, tracker: Tracker) -> dict[str, Any]:
+  result = evaluator(params, jax.random.fold_in(key, 1 << 30))  # apart from the train steps' keys
+  if not result:  # no tasks to evaluate on
+    return {"step": step, "result": result}
+  tracker.log(step, flat_eval_metrics(result))
+  echo(f"eval at step {step}: " + ", ".join(f"{side} success {r['success_rate']:.3f} ({r['successes']}/"
+                                            f"{r['episodes']})" for side, r in result.items()))
+  return {"step": step, "result": result}
+
+
+def format_eval(result: dict[str, Any], prefix: str = "") -> list[str]:
+  return [f"{prefix}{side}: success {r['success_rate']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] over "
+          f"{r['episodes']} tasks, mean turns {r['mean_turns']:.1f}, invalid actions {r['invalid_rate']:.3f}, "
+          f"unparsed answers {r['parse_failure_rate']:.3f}" for side, r in result.items()]

@@ -1,0 +1,227 @@
+"""The RL loop every iterative command shares: `Run` owns the run folder (checkpoints, resume, tracker, evaluations),
+`run_iterations` drives a `PolicyLearner` against an env with a task source and hooks.
+
+One iteration: the hooks' `before_iteration`; `tasks.draw(iteration)` (a seeded uniform draw, or the curriculum);
+`learner.iteration(env, tasks)` (rollouts, advantages, update); the hooks' `after_iteration` (DreamGym: replay
+write-back, curriculum update, task generation), whose metrics join the learner's in metrics.jsonl. The env's steps are
+counted as synthetic transitions when the env says it is synthetic (`env.synthetic`, SyntheticEnv) and as real ones
+otherwise, so nothing zeroes a counter after the fact. Every `eval_every` iterations (and before the first and after
+the last) the policy is evaluated greedily on held-out tasks of `eval_env`, always a real env, with the transitions
+spent so far; `max_real_transitions` stops the run after the iteration that reaches it (DreamGym-S2R's budget).
+
+Outputs in `out_dir`: config.json, metrics.jsonl (one row per iteration), evals.jsonl (each evaluation with per-task
+outcomes), summary.json, learning_curve.svg (held-out success against iterations and transitions), metrics.svg
+(training curves), checkpoints/ (the last `keep_checkpoints`), the final policy as an HF folder `final/`, and what the
+hooks write. With `track.wandb` "online" or "offline" the metrics also go to Weights & Biases.
+
+Checkpoints and resume. Every `checkpoint_every` iterations (and after the last) the learner's arrays (train state,
+frozen reference, root key), the hooks' arrays and, as JSON, the counters, evaluations, the tracker's run id, the
+config and the hooks' state are saved with orbax. Rerunning the same command with the same `out_dir` resumes from the
+latest committed checkpoint: rows logged after it are dropped from metrics.jsonl and evals.jsonl, and since every
+draw depends only on (seed, iteration, phase), the resumed run ends with the same parameters, bit for bit, and the
+same files, timings aside, as a run that was never interrupted. W&B continues the same run id.
+
+Several processes: every process runs this same host program; process 0 alone writes the run folder's files
+(checkpoints are written by every process through orbax), so `out_dir` must be a filesystem every process sees.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from dreamjax.envs.base import BatchEnv, Task
+from dreamjax.loop.checkpoint import RunCheckpointer
+from dreamjax.loop.learner import PolicyLearner, RLConfig
+from dreamjax.loop.model import save_model
+from dreamjax.loop.plots import learning_curve
+from dreamjax.loop.track import Tracker, echo, progress, to_json, truncate_jsonl
+from dreamjax.rollout.trajectory import Trajectories
+
+# Training curves drawn into metrics.svg (those a run logs; PPO adds vf_loss, GRPO kl).
+CURVES = ("loss", "kl", "vf_loss", "entropy", "grad_norm", "rollout_success", "rollout_return", "invalid_rate",
+          "parse_failure_rate", "zero_variance_group_frac", "real_transitions", "synthetic_transitions", "iteration_s")
+
+
+class TaskSource(Protocol):
+  def draw(self, iteration: int) -> list[Task]: ...
+
+
+class Hook:
+  """Work a loop adds around each iteration, with its share of the checkpoint; every method is optional."""
+
+  def before_iteration(self, iteration: int) -> None:
+    pass
+
+  def after_iteration(self, iteration: int, traj: Trajectories, metrics: dict[str, Any]) -> dict[str, Any]:
+    """Extra metrics for the iteration's row."""
+    return {}
+
+  def checkpoint_arrays(self) -> dict[str, Any]:
+    return {}
+
+  def checkpoint_meta(self) -> dict[str, Any]:
+    return {}
+
+  def restore(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+    pass
+
+  def finish(self, out: Path) -> dict[str, Any]:
+    """Called once after the last iteration on every process; returns summary entries."""
+    return {}
+
+
+def config_changes(saved: Any, current: Any, prefix: str = "") -> list[str]:
+  """Dotted names of the config fields that differ between the checkpointed run and this one."""
+  if not (isinstance(saved, dict) and isinstance(current, dict)):
+    return [] if saved == current else [prefix.rstrip(".") or "config"]
+  return [c for k in sorted(set(saved) | set(current)) for c in config_changes(saved.get(k), current.get(k),
+                                                                                f"{prefix}{k}.")]
+
+
+class Run:
+  """A run folder with its checkpoints: `resume` is the iteration the latest committed checkpoint ended (None: a
+  fresh run) and `meta` its JSON state, both known before anything else is built (hooks need them)."""
+
+  def __init__(self, cfg: RLConfig, config: Any, out_dir: str):
+    self.cfg, self.config, self.out = cfg, config, Path(out_dir)
+    self.ckpt = RunCheckpointer(self.out / "checkpoints", keep=cfg.keep_checkpoints)
+    self.resume = self.ckpt.latest_step()
+    if self.resume is not None and self.resume > cfg.iterations:
+      self.ckpt.close()
+      raise ValueError(f"iterations is {cfg.iterations} but {self.out / 'checkpoints'} holds iteration {self.resume}; "
+                       f"raise iterations or use another out_dir")
+    self.meta: dict[str, Any] = self.ckpt.meta(self.resume) if self.resume is not None else {}
+
+  def close(self) -> None:
+    self.ckpt.close()
+
+  def __enter__(self) -> Run:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def eval_row(iteration: int, counts: dict[str, int], result: dict[str, Any]) -> dict[str, Any]:
+  """An evaluation without its per-task outcomes (those go to evals.jsonl only)."""
+  row = {"iteration": iteration, **counts, **{k: v for k, v in result.items() if k not in ("outcomes", "sampled")}}
+  if "sampled" in result:
+    row["sampled"] = {k: v for k, v in result["sampled"].items() if k != "outcomes"}
+  return row
+
+
+def run_iterations(run: Run, learner: PolicyLearner, tasks: TaskSource, env: BatchEnv, *, eval_env: BatchEnv,
+                   eval_tasks: Sequence[Task], model_folder: Path, hooks: Sequence[Hook] = ()) -> dict[str, Any]:
+  """Trains for `run.cfg.iterations` iterations (resuming where the run's checkpoint ended), evaluates, checkpoints,
+  saves the final policy; returns the summary (also summary.json)."""
+  cfg, out, start = run.cfg, run.out, time.perf_counter()
+  kind = "synthetic_transitions" if getattr(env, "synthetic", False) else "real_transitions"
+  counts = {"real_transitions": 0, "synthetic_transitions": 0}
+  evals: list[dict[str, Any]] = []
+  train_curve: list[tuple[int, int, float]] = []  # (iteration, transitions of the env's kind, rollout success)
+  if run.resume is not None:
+    arrays, meta = run.ckpt.restore(run.resume, like=_arrays(learner, hooks))
+    learner.load_checkpoint_arrays(arrays)
+    for hook in hooks:
+      hook.restore(arrays, meta)
+    counts = {k: int(meta.get(k, 0)) for k in counts}
+    evals, train_curve = list(meta["evals"]), [tuple(r) for r in meta["train_curve"]]
+    changed = config_changes(meta.get("config", {}), to_json(run.config))
+    echo(f"resuming {out} after iteration {run.resume}" + (f" (config changed: {', '.join(changed)})" if changed
+                                                          else ""))
+  first = run.resume or 0
+  title = ("DreamGym " if kind == "synthetic_transitions" else "") + f"{cfg.algorithm.upper()} on {cfg.env}"
+  with Tracker(out, to_json(run.config), cfg.track, run_id=run.meta.get("tracker_run_id"),
+               resume_step=run.resume) as tracker:
+    evals_path = out / "evals.jsonl" if tracker.primary else Path(os.devnull)  # one process writes the files
+    if run.resume is None:
+      evals_path.write_text("")
+    elif tracker.primary:  # evaluations logged after the checkpoint are run again
+      truncate_jsonl(evals_path, lambda row: row["iteration"] <= run.resume)
+
+    def plots() -> None:
+      if tracker.primary:
+        learning_curve(evals, out / "learning_curve.svg", train=train_curve, transitions=kind,
+                       title=f"{title}: held-out success (95% CI)")
+        tracker.plot_metrics(CURVES, title=f"{title}: training")
+
+    def do_eval(iteration: int) -> None:
+      result = learner.evaluate(eval_env, list(eval_tasks))
+      row = eval_row(iteration, counts, result)
+      evals.append(row)
+      outcomes = {"outcomes": result["outcomes"]}
+      if "sampled" in result:
+        outcomes["sampled_outcomes"] = result["sampled"]["outcomes"]
+      with open(evals_path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({**row, **outcomes}, sort_keys=True) + "\n")
+      tracker.log(iteration, {"eval": row}, jsonl=False)
+      sampled = row.get("sampled")
+      echo(f"eval @ iteration {iteration} ({counts[kind]} {kind.replace('_', ' ')}): greedy success "
+           f"{row['success_rate']:.3f} [{row['ci_low']:.3f}, {row['ci_high']:.3f}]" +
+           (f", sampled {sampled['success_rate']:.3f} [{sampled['ci_low']:.3f}, {sampled['ci_high']:.3f}]"
+            if sampled else "") + f" over {row['episodes']} tasks")
+
+    def checkpoint(iteration: int) -> None:
+      meta = {"iteration": iteration, **counts, "evals": evals, "train_curve": train_curve,
+              "tracker_run_id": tracker.run_id, "config": to_json(run.config)}
+      for hook in hooks:
+        meta |= hook.checkpoint_meta()
+      run.ckpt.save(iteration, _arrays(learner, hooks), meta)
+      plots()
+
+    def spent() -> bool:
+      return bool(cfg.max_real_transitions) and counts["real_transitions"] >= cfg.max_real_transitions
+
+    if run.resume is None:
+      do_eval(0)
+    last = first
+    with progress(cfg.iterations, out.name, initial=first, unit="iter", enabled=cfg.track.progress and tracker.primary
+                  ) as bar:
+      for it in range(first, cfg.iterations):
+        if spent():  # a resumed run whose budget ran out before its last checkpoint
+          break
+        last = it + 1
+        for hook in hooks:
+          hook.before_iteration(it)
+        metrics, traj = learner.iteration(env, tasks.draw(it), it)
+        counts[kind] += metrics["env_steps"]
+        for hook in hooks:
+          metrics.update(hook.after_iteration(it, traj, metrics))
+        metrics.update(counts)
+        tracker.log(it + 1, metrics)
+        train_curve.append((it + 1, counts[kind], metrics["rollout_success"]))
+        bar.update()
+        update = f"loss {metrics['loss']:.4f}" if "loss" in metrics else "no update (no group with unequal returns)"
+        pool = (f", generated tasks in batch {metrics['batch_generated_frac']:.2f}, pool {metrics['pool_tasks']}"
+                if "pool_tasks" in metrics else "")
+        echo(f"iteration {it + 1}: {update}, rollout success {metrics['rollout_success']:.3f}, zero-variance groups "
+             f"{metrics['zero_variance_group_frac']:.2f}{pool} ({metrics['iteration_s']:.1f} s)")
+        final = it + 1 == cfg.iterations or spent()
+        if (cfg.eval_every and (it + 1) % cfg.eval_every == 0) or final:
+          do_eval(it + 1)
+        if (cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0) or final:
+          checkpoint(it + 1)
+        if final:
+          break
+    save_model(learner.params, learner.model_cfg, model_folder, out / "final")  # every process: a gather
+    summary = {"algorithm": cfg.algorithm, "iterations": last, **counts, "initial": evals[0], "final": evals[-1],
+               "evals": evals}
+    for hook in hooks:
+      summary |= hook.finish(out)
+    summary |= {"seconds": time.perf_counter() - start, "checkpoint": str(out / "final"), "resumed_from": run.resume,
+                "run_id": tracker.run_id}
+    tracker.summary(summary)
+    plots()
+  return summary
+
+
+def _arrays(learner: PolicyLearner, hooks: Sequence[Hook]) -> dict[str, Any]:
+  arrays = learner.checkpoint_arrays()
+  for hook in hooks:
+    arrays |= hook.checkpoint_arrays()
+  return arrays

@@ -1,1 +1,0 @@
-"""dreamjax.train (see the modules; DESIGN.md describes the layout)."""
