@@ -57,7 +57,7 @@ from dreamjax.experience.synthetic_env import SyntheticEnv, initial_states_from
 from dreamjax.loop.dreamgym import DreamGymHook, PlacementConfig, make_meshes, seed_records
 from dreamjax.loop.learner import PolicyLearner, RLConfig, load_policy
 from dreamjax.loop.run import Run, run_iterations
-from dreamjax.parallel import initialize
+from dreamjax.parallel import initialize, is_primary
 from dreamjax.replay.write_back import open_replay, rebuild_retriever
 from dreamjax.rl.keys import PHASE_SYNTHETIC, phase_key
 from dreamjax.sampling import Sampler
@@ -101,7 +101,8 @@ def run(cfg: DreamGymConfig) -> dict[str, Any]:
                                                           dtype=cfg.exp_dtype, mesh=exp_mesh)
   root = jax.random.key(rl.seed)
   with Run(rl, cfg, cfg.out_dir) as run:
-    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    if is_primary():  # the one writer of the run folder
+      Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
     retrieve = bool(fmt.retrieval and fmt.k)
     buffer, marks = open_replay(run.out / "replay", records, run.meta.get("replay_marks"), retrieve)
     retriever = exp_retriever(meta["retrieval_encoder"], meta["encoder_folder"])
