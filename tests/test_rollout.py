@@ -216,6 +216,8 @@ def test_unparseable_answers_are_recorded_and_not_stepped(random_runs, tok):
 def test_reproducible_from_the_key_and_rows_independent(random_runs):
   _, first, _, _, again, other_tasks, other_key = random_runs
   for f in dataclasses.fields(first):
+    if f.name == "stats":  # how the rollout went (timings), not what it produced
+      continue
     a, b = getattr(first, f.name), getattr(again, f.name)
     if isinstance(a, np.ndarray):
       np.testing.assert_array_equal(a, b, err_msg=f.name)
