@@ -1,4 +1,10 @@
-"""`dreamjax <command> --config configs/<file>.py [--set key=value ...]`."""
+"""`dreamjax <command> --config configs/<file>.py [--set key=value ...]`.
+
+Errors a user fixes in a config or on disk (a ValueError: a bad setting, a malformed input file, an unreadable
+checkpoint; a FileNotFoundError: a missing checkpoint, tokenizer or data file) are printed as one line,
+`dreamjax <command>: <message>`, with exit status 2; a run stopped for too many non-finite updates in a row
+(`NonFiniteUpdateError`) likewise, with status 1. Anything else keeps its traceback: it is a bug to report.
+"""
 
 from __future__ import annotations
 
@@ -53,9 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   try:
     runner(cfg)
-  except ValueError as e:  # bad settings or a malformed input file: the message names the field, file or line
+  except (ValueError, FileNotFoundError) as e:  # bad settings, paths or input files: the message names them
     print(f"dreamjax {args.command}: {e}", file=sys.stderr)
     return 2
+  except RuntimeError as e:
+    from dreamjax.rl.update import NonFiniteUpdateError  # loaded already: the runner's module imports it
+
+    if not isinstance(e, NonFiniteUpdateError):
+      raise
+    print(f"dreamjax {args.command}: {e}", file=sys.stderr)
+    return 1
   return 0
 
 

@@ -1,10 +1,19 @@
 """Experiment configs: a Python file in configs/ defines `config()` returning a frozen dataclass tree;
-`--set a.b=value` overrides are parsed by the type of the field they replace, with errors that name the field."""
+`--set a.b=value` overrides are parsed by the type of the field they replace, with errors that name the field.
+
+A config function that fails while building its tree (a mistyped field such as `RLConfig(lerning_rate=...)`, a value a
+section's `__post_init__` refuses) is reported as one ValueError naming the file, the line and, for a mistyped
+field, the class, the nearest valid field names and the valid ones; errors of other kinds (a bad import, a syntax
+error) keep their traceback, which is the useful report for code.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
+import re
+import traceback
 import types
 import typing
 from pathlib import Path
@@ -25,10 +34,54 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Any:
     known = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_") and
                    getattr(v, "__module__", None) == module.__name__ and not isinstance(v, type))
     raise ValueError(f"{path}: defines no {name}() function (variants here: {', '.join(known) or 'none'})")
-  cfg = getattr(module, name)()
+  try:
+    cfg = getattr(module, name)()
+  except (TypeError, ValueError) as e:
+    raise ValueError(_build_error(e, path, name, module)) from None
   for item in overrides:
     cfg = apply_override(cfg, item, source=f"{path}:{name}" if variant else str(path))
   return cfg
+
+
+_UNKNOWN = re.compile(r"^(?P<cls>[\w.]+?)(?:\.__init__)?\(\) got an unexpected keyword argument '(?P<field>\w+)'")
+
+
+def _build_error(e: Exception, path: Path, function: str, module: types.ModuleType) -> str:
+  """One line for an error raised while `function()` of the config file built its tree."""
+  frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).resolve() == path.resolve()]
+  where = f"{path}:{frames[-1].lineno}" if frames else str(path)
+  match = _UNKNOWN.match(str(e))
+  if not match:
+    return f"{where}: {function}(): {e}"
+  cls_name, field = match["cls"].rsplit(".", 1)[-1], match["field"]
+  cls = _find_dataclass(module, cls_name)
+  if cls is None:  # not a config section (a function, or a class the file cannot reach): name the argument
+    return f"{where}: {function}(): {cls_name}() takes no argument {field!r}"
+  fields = sorted(f.name for f in dataclasses.fields(cls) if f.init)
+  near = difflib.get_close_matches(field, fields, n=3)
+  hint = f" (did you mean {' or '.join(repr(n) for n in near)}?)" if near else ""
+  return f"{where}: {function}(): {cls_name} has no field {field!r}{hint}; its fields: {', '.join(fields)}"
+
+
+def _find_dataclass(module: types.ModuleType, name: str) -> type | None:
+  """The dataclass called `name` that the config module can reach: its own names, then the sections (field types) of
+  those classes, so `RLConfig(optim=OptimConfig(...))` finds OptimConfig whichever way the file imported it."""
+  seen: set[type] = set()
+  todo = [v for v in vars(module).values() if isinstance(v, type) and dataclasses.is_dataclass(v)]
+  while todo:
+    cls = todo.pop(0)
+    if cls in seen:
+      continue
+    seen.add(cls)
+    if cls.__name__ == name:
+      return cls
+    try:
+      hints = typing.get_type_hints(cls)
+    except Exception:  # an unresolvable annotation: this class's sections are not searched
+      continue
+    for hint in hints.values():
+      todo += [h for h in (hint, *typing.get_args(hint)) if isinstance(h, type) and dataclasses.is_dataclass(h)]
+  return None
 
 
 def apply_override(cfg: Any, item: str, source: str = "config") -> Any:

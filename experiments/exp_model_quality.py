@@ -28,6 +28,7 @@ from typing import Any
 from dreamjax.commands.train_exp import ExpSftConfig, load_annotation_files, run
 from dreamjax.config import load_config
 from dreamjax.data.records import read_trajectory_files as load_records
+from dreamjax.data.records import transitions
 from dreamjax.experience.exp_model import META_FILE
 from dreamjax.experience.exp_model import exp_retriever as make_retriever
 from dreamjax.experience.fidelity import MIN_BUCKET, Predictor, one_step, open_loop
@@ -35,7 +36,7 @@ from dreamjax.experience.format import ExpFormatConfig
 from dreamjax.experience.sft_data import ExampleBuilder, annotations_for, build_examples, split_by_task
 from dreamjax.loop.config import run_mesh as mesh_of
 from dreamjax.loop.model import load_model
-from dreamjax.replay.transition import from_trajectories
+from dreamjax.loop.plots import fidelity_plot
 from dreamjax.rl.logprobs import LogpScorer
 
 _ON = {"reasoning": True, "history": True, "retrieval": True}
@@ -79,7 +80,7 @@ def evaluate(name: str, checkpoint: Path, base: ExpSftConfig, tv_samples: int, o
   retriever = None
   if fmt.retrieval and fmt.k:
     retriever = make_retriever(meta["retrieval_encoder"], meta["encoder_folder"])
-    retriever.add(list(from_trajectories(train_records)))
+    retriever.add(list(transitions(train_records, max_history=0)))
   builder = ExampleBuilder(tokenizer, fmt, meta["max_len"])
   stats: dict[str, int] = {}
   examples = build_examples(builder, held, notes, retriever, stats)
@@ -123,46 +124,15 @@ def table(results: dict[str, dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
-COLORS = ("#2060c0", "#e08020", "#20a040", "#c03030", "#8040c0", "#606060")
-
-
 def plot(results: dict[str, dict[str, Any]], path: Path) -> Path:
-  """An SVG (no plotting package): one-step metrics as grouped bars, open-loop exact match by horizon as lines."""
+  """One-step metrics as grouped bars, open-loop exact match by step as lines, the copy baseline beside the models."""
   first = next(iter(results.values()))
   models = {name: r["one_step"] for name, r in results.items()} | {"copy baseline": first["one_step_copy"]}
-  loops = {name: r["open_loop"] for name, r in results.items()} | {"copy baseline": first["open_loop_copy"]}
+  loops = {name: r["open_loop"]["exact_by_step"] for name, r in results.items()}
+  loops["copy baseline"] = first["open_loop_copy"]["exact_by_step"]
   keys = [("exact_match", "EM"), ("token_f1", "F1"), ("reward_acc", "reward acc"), ("done_acc", "done acc"),
           ("parse_failure", "parse fail")]
-  top, ph = 40, 220
-  py = lambda y: top + ph * (1 - y)  # noqa: E731
-  parts = ['<rect width="960" height="340" fill="white"/>',
-           '<text x="220" y="20" text-anchor="middle" font-size="13">one step, teacher-forced (held-out tasks)</text>',
-           '<text x="720" y="20" text-anchor="middle" font-size="13">open loop along recorded actions: EM by step</text>']
-  for x0, x1 in ((40, 440), (540, 940)):
-    for y in (0, 0.5, 1):
-      parts.append(f'<line x1="{x0}" x2="{x1}" y1="{py(y)}" y2="{py(y)}" stroke="#ddd"/>'
-                   f'<text x="{x0 - 4}" y="{py(y) + 4}" text-anchor="end">{y:g}</text>')
-  group = 400 / len(keys)
-  width = (group - 10) / len(models)
-  for j, (_, label) in enumerate(keys):
-    parts.append(f'<text x="{40 + group * (j + 0.5):.1f}" y="{top + ph + 16}" text-anchor="middle">{label}</text>')
-    for i, m in enumerate(models.values()):
-      v = m.get(keys[j][0]) or 0.0
-      parts.append(f'<rect x="{45 + group * j + width * i:.1f}" y="{py(v):.1f}" width="{width - 1:.1f}" '
-                   f'height="{ph * v:.1f}" fill="{COLORS[i % len(COLORS)]}"/>')
-  horizon = max(len(m["exact_by_step"]) for m in loops.values())
-  px = lambda h: 540 + 400 * (h - 1) / max(1, horizon - 1)  # noqa: E731
-  for i, m in enumerate(loops.values()):
-    pts = " ".join(f"{px(h + 1):.1f},{py(v):.1f}" for h, v in enumerate(m["exact_by_step"]) if v is not None)
-    parts.append(f'<polyline points="{pts}" fill="none" stroke="{COLORS[i % len(COLORS)]}" stroke-width="2"/>')
-  parts.append(f'<text x="740" y="{top + ph + 16}" text-anchor="middle">steps since the real first state '
-               f'(1..{horizon})</text>')
-  for i, name in enumerate(models):
-    parts.append(f'<rect x="{40 + 150 * i}" y="310" width="10" height="10" fill="{COLORS[i % len(COLORS)]}"/>'
-                 f'<text x="{54 + 150 * i}" y="319">{name}</text>')
-  path.write_text('<svg xmlns="http://www.w3.org/2000/svg" width="960" height="340" font-family="sans-serif" '
-                  'font-size="11">' + "".join(parts) + "</svg>\n")
-  return path
+  return fidelity_plot(models, loops, keys, path)
 
 
 def main(argv: list[str] | None = None) -> int:

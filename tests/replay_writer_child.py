@@ -15,7 +15,7 @@ import itertools
 import sys
 
 from dreamjax.envs.base import Task
-from dreamjax.replay.transition import SOURCES, ReplayTransition
+from dreamjax.data.records import ORIGINS, Transition
 
 
 def batch_size(b: int) -> int:
@@ -29,18 +29,18 @@ def batch_of(i: int) -> int:
   return bisect.bisect_right(BOUNDARIES, i) - 1
 
 
-def expected(i: int) -> ReplayTransition:
+def expected(i: int) -> Transition:
   b = batch_of(i)
   j = i - BOUNDARIES[b]
   # Lines of 0.2 to 6 KB, so a kill often lands inside a write or an fsync.
   body = f"room {i} ✓ \"quoted\"\nline two " + "abcdefgh" * ((i * 37) % 700)
   task = Task.make("textworld_express", f"coin/train/{b}", f"Find coin {b}.", game="coin", seed=b, nested={"k": [b]})
-  return ReplayTransition(f"batch{b}", j, task, f"Find coin {b}.", body, f"move {i}", f"next {i} " + body[:50],
-                          float(j == batch_size(b) - 1), j == batch_size(b) - 1, i % 4 == 0, i % 5 == 0,
-                          SOURCES[b % 3], b)
+  last = j == batch_size(b) - 1  # every batch is an episode that succeeds on its last step
+  return Transition(f"batch{b}", j, task, f"Find coin {b}.", body, f"move {i}", f"next {i} " + body[:50],
+                    float(last), last, last, i % 5 == 0 and not last, ORIGINS[b % 3], b)
 
 
-def batch(b: int) -> list[ReplayTransition]:
+def batch(b: int) -> list[Transition]:
   return [expected(i) for i in range(BOUNDARIES[b], BOUNDARIES[b + 1])]
 
 

@@ -49,3 +49,33 @@ def test_variant_functions(tmp_path):
   assert load_config(f"{f}:tiny").n == 2
   with pytest.raises(ValueError, match=r"defines no huge\(\) function \(variants here: config, tiny\)"):
     load_config(f"{f}:huge")
+
+
+def test_a_mistyped_field_in_a_config_file_is_one_line_naming_file_line_and_field(tmp_path):
+  f = tmp_path / "rl_typo.py"
+  f.write_text("import dataclasses\n\nfrom dreamjax.loop.learner import RLConfig\nfrom dreamjax.rl.optim import "
+               "OptimConfig\n\n\ndef config():\n  return RLConfig(iteratons=3)\n\n\ndef tiny():\n"
+               "  return dataclasses.replace(RLConfig(), optim=OptimConfig(lerning_rate=1e-3))\n\n\n"
+               "def bad_value():\n  return RLConfig(algorithm='a2c')\n")
+  with pytest.raises(ValueError) as e:
+    load_config(f)
+  assert str(e.value).startswith(f"{f}:8: config(): RLConfig has no field 'iteratons' (did you mean 'iterations'?); "
+                                 "its fields: ")
+  assert "\n" not in str(e.value) and "max_nonfinite_updates" in str(e.value)
+  # A section's class is found through the file's imports; no near name, but the valid ones.
+  with pytest.raises(ValueError, match=rf"^{f}:12: tiny\(\): OptimConfig has no field 'lerning_rate'; its fields: "
+                                       r"b1, b2, clip_norm, .*, lr, "):
+    load_config(f"{f}:tiny")
+  with pytest.raises(ValueError, match=rf"^{f}:16: bad_value\(\): RLConfig.algorithm must be one of"):
+    load_config(f"{f}:bad_value")
+
+
+def test_the_cli_prints_config_errors_as_one_line(tmp_path, capsys):
+  from dreamjax.cli import main
+
+  f = tmp_path / "sample_typo.py"
+  f.write_text("from dreamjax.commands.sample import SampleConfig\n\n\ndef config():\n  return SampleConfig(bach=2)\n")
+  assert main(["sample", "--config", str(f)]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith(f"dreamjax sample: {f}:5: config(): SampleConfig has no field 'bach' "
+                                                 "(did you mean 'batch'?)")

@@ -22,8 +22,8 @@ from dreamjax.config import load_config
 from dreamjax.curriculum.pool import TaskPool
 from dreamjax.curriculum.source import CurriculumConfig
 from dreamjax.data.collect import CollectConfig, collect
-from dreamjax.data.records import read_trajectories
-from dreamjax.envs.base import SerialBatchEnv
+from dreamjax.data.records import StepRecord, TrajectoryRecord, read_trajectories
+from dreamjax.envs.base import SerialBatchEnv, Task
 from dreamjax.envs.textworld_express import TextWorldExpressEnv
 from dreamjax.experience.exp_model import load_exp_model
 from dreamjax.loop.dreamgym import PlacementConfig, make_meshes
@@ -33,10 +33,12 @@ from dreamjax.loop.track import read_metrics
 from dreamjax.models import load_hf_checkpoint
 from dreamjax.parallel import MeshConfig, make_mesh
 from dreamjax.replay.buffer import ReplayBuffer
+from dreamjax.replay.write_back import write_back_transitions
 from dreamjax.rl.objectives import PolicyGradientConfig
 from dreamjax.rl.optim import OptimConfig
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
+from dreamjax.rollout.trajectory import Trajectories
 from tests.warm_start import behaviour_clone
 
 pytest.importorskip("textworld_express")
@@ -100,29 +102,36 @@ def test_grpo_in_the_experience_model_keeps_its_books(uninterrupted):
   assert summary["real_transitions"] == 0 and all(e["real_transitions"] == 0 for e in summary["evals"])
   assert summary["synthetic_transitions"] == metrics[-1]["synthetic_transitions"] > 0
   assert [e["iteration"] for e in summary["evals"]] == [0, 1, 2, 3]
-  # Write-back: the buffer holds the offline seed plus exactly the synthetic transitions, tagged with the iteration.
+  # Write-back: the buffer holds the offline seed plus exactly the synthetic transitions M_exp answered (a step whose
+  # output did not parse is an env failure, counted in env_errors and not written), tagged with the iteration.
   offline = sum(r.num_steps for r in read_trajectories(cfg.offline_data[0]))
   with ReplayBuffer(out / "replay", read_only=True) as buffer:
     items = list(buffer.iter_from(0))
-  synthetic = [t for t in items if t.source == "synthetic"]
-  assert len(items) - len(synthetic) == offline and len(synthetic) == summary["synthetic_transitions"]
-  assert sorted({t.policy_version for t in synthetic}) == [0, 1, 2]
+  synthetic = [t for t in items if t.origin == "synthetic"]
+  failed = sum(m["env_errors"] for m in metrics)
+  assert failed == sum(m["exp_parse_failures"] + m["exp_overflows"] for m in metrics)
+  assert len(items) - len(synthetic) == offline and len(synthetic) == summary["synthetic_transitions"] - failed
+  assert {t.policy_version for t in synthetic} <= {0, 1, 2}
   assert summary["replay_size"] == len(items) == metrics[-1]["replay_size"]
   # Curriculum: every drawn task got statistics; M_task's candidates are all accounted for.
   pool = TaskPool.load(out / "task_pool.json")
   state = jax.device_get(pool.state)
   assert int(np.asarray(state.iteration)) == 3
-  assert int(np.asarray(state.times_sampled).sum()) == 3 * cfg.rl.tasks_per_iteration
+  # A drawn task counts once per iteration unless the env (M_exp) failed on all G of its episodes.
+  drawn = 3 * cfg.rl.tasks_per_iteration
+  assert drawn - failed // ROLLOUT.group_size <= int(np.asarray(state.times_sampled).sum()) <= drawn
   counts = summary["generation"]
   assert all("generation_candidates" in m for m in metrics)  # M_task ran on the drawn tasks every iteration
   assert sum(v for k, v in counts.items()) == sum(m.get("generation_candidates", 0) for m in metrics)
   assert counts.get("accepted", 0) >= sum(m.get("generated", 0) for m in metrics)
   assert len(pool) == len({r.task.task_id for r in read_trajectories(cfg.offline_data[0])}) + metrics[-1][
       "pool_generated"]
-  # The update changed the policy.
+  # The policy changed exactly when an update had a loss: this M_exp (12 SFT steps) rarely answers in its format, and
+  # the episodes it fails on are left out of the update, so whether any group kept unequal returns depends on it.
   _, before = load_hf_checkpoint(cfg.rl.model.checkpoint)
   _, after = load_hf_checkpoint(summary["checkpoint"])
-  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+  changed = any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+  assert changed == any(m["loss"] != 0.0 for m in metrics if "loss" in m)
   assert (out / "learning_curve.svg").is_file() and json.loads((out / "summary.json").read_text())["iterations"] == 3
 
 
@@ -217,3 +226,29 @@ def test_m_exp_may_load_in_bfloat16(parts, tmp_path):
   assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype("bfloat16")}
   with pytest.raises(ValueError, match="exp_dtype must be"):
     _config(parts, tmp_path, exp_dtype="float16")
+
+
+def test_write_back_keeps_the_steps_m_exp_answered():
+  """Episode 0's second answer did not parse (M_exp never saw it); M_exp's output for episode 1's last step did not
+  parse (an env failure): neither is written back, and the others keep their step index."""
+  task = Task.make("textworld_express", "coin/train/0", "Find the coin.", game="coin", seed=0)
+
+  def record(e: int, n: int) -> TrajectoryRecord:
+    steps = tuple(StepRecord(f"room {e}{j}", f"move {j}", f"room {e}{j + 1}", 0.0, False, False, False, (), "policy")
+                  for j in range(n))
+    return TrajectoryRecord(f"policy:{e}", task.env, task, task.instruction, "policy", e, steps, False, n, None)
+
+  m, zeros = 5, np.zeros(5, np.int32)
+  traj = Trajectories(
+      tokens=np.zeros((m, 1), np.int32), kinds=np.zeros((m, 1), np.int32), loss_mask=np.zeros((m, 1), np.int32),
+      rollout_logp=np.zeros((m, 1), np.float32), lengths=zeros, prompt_lengths=zeros,
+      episode=np.array([0, 0, 1, 1, 1], np.int32), turn=np.array([0, 1, 0, 1, 2], np.int32),
+      reward=np.zeros(m, np.float32), done=np.zeros(m, bool), invalid=np.zeros(m, bool), truncated=np.zeros(m, bool),
+      group=np.zeros(2, np.int32), task_index=np.zeros(2, np.int32), num_turns=np.array([2, 3], np.int32),
+      turn_rows=np.array([[0, 1, -1], [2, 3, 4]], np.int32), episode_reward=np.zeros(2, np.float32),
+      success=np.zeros(2, bool), ended=np.array([False, True]), env_error=np.array([False, True]),
+      records=(record(0, 2), record(1, 3)))
+  out = write_back_transitions(traj, np.array([False, True, False, False, False]), iteration=4)
+  assert [(t.episode_id, t.step, t.state) for t in out] == [("policy:0", 0, "room 00"), ("policy:1", 0, "room 10"),
+                                                            ("policy:1", 1, "room 11")]
+  assert all(t.origin == "synthetic" and t.policy_version == 4 and not t.history for t in out)

@@ -155,7 +155,7 @@ def test_ablation_switches_shape_the_examples(small_model):
 
 
 def _t(state: str, next_state: str, reward=0.0, done=False, success=False, invalid=False) -> Transition:
-  return Transition("e", 0, None, "", (), state, "a", next_state, reward, done, success, invalid)
+  return Transition("e", 0, None, "", state, "a", next_state, reward, done, success, invalid)
 
 
 def test_score_matches_hand_computed_metrics():
@@ -251,7 +251,8 @@ def test_fidelity_script_scores_a_checkpoint_and_prints_its_table(trained, coin_
   printed = capsys.readouterr().out
   assert rc == 0 and "| no_reasoning |" in printed and "| copy baseline |" in printed
   assert (out / "table.md").read_text().strip() in printed
-  assert (out / "plot.svg").read_text().startswith("<svg") and "copy baseline" in (out / "plot.svg").read_text()
+  plot = (out / "plot.svg").read_text()
+  assert "<svg" in plot and "copy baseline" in plot and "steps since the real first state" in plot
   result = json.loads((out / "results.json").read_text())["no_reasoning"]
   one, loop = result["one_step"], result["open_loop"]
   assert one["exact_match"] == summary["held_out_fidelity"]["model"]["exact_match"]

@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from dreamjax.data.records import StepRecord, TrajectoryRecord, transitions
+from dreamjax.data.records import StepRecord, TrajectoryRecord, Transition, transitions
 from dreamjax.envs.base import Task
 from dreamjax.experience.format import (
     FAILURE_STATE,
@@ -24,7 +24,6 @@ from dreamjax.experience.format import (
     transition_example,
     transition_target,
 )
-from dreamjax.replay.transition import ReplayTransition
 from dreamjax.text import Kind, load_tokenizer, train_bpe_tokenizer
 from tests.test_segments import LLAMA_STYLE, SPECIALS
 
@@ -49,10 +48,10 @@ def tok(request, tmp_path_factory):
   return load_tokenizer(root / request.param)
 
 
-def _transition(i: int, reward: float = 0.0, done: bool = False, success: bool = False) -> ReplayTransition:
+def _transition(i: int, reward: float = 0.0, done: bool = False, success: bool = False) -> Transition:
   task = Task.make("textworld_express", f"coin/train/{i}", "Find the coin.", game="coin", seed=i)
-  return ReplayTransition(f"expert:coin/train/{i}", i, task, "Find the coin.", f"Location: room {i}", f"move {i}",
-                          f"Location: room {i + 1}", reward, done, success, False, "offline")
+  return Transition(f"expert:coin/train/{i}", i, task, "Find the coin.", f"Location: room {i}", f"move {i}",
+                    f"Location: room {i + 1}", reward, done, success, False)
 
 
 # --- target and parser -----------------------------------------------------------------------------------------------

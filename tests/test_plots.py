@@ -6,7 +6,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from dreamjax.loop.plots import learning_curve, metric_curves, success_bars
+from dreamjax.loop.plots import fidelity_plot, learning_curve, metric_curves, success_bars
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -87,3 +87,13 @@ def test_success_bars(tmp_path, n):
   assert "held-out success" in text
   for i, m in enumerate(methods):
     assert m in text and f"{1000 * i} online real" in text
+
+
+def test_fidelity_plot(tmp_path):
+  one_step = {"full": {"exact_match": 0.8, "token_f1": 0.9, "parse_failure": math.nan},
+              "copy baseline": {"exact_match": 0.3, "token_f1": 0.6, "parse_failure": 0.0}}
+  open_loop = {"full": [0.9, 0.7, None], "copy baseline": [0.3, 0.1, 0.0]}
+  keys = [("exact_match", "EM"), ("token_f1", "F1"), ("parse_failure", "parse fail")]
+  text = _check(lambda p: fidelity_plot(one_step, open_loop, keys, p), tmp_path, "fidelity")
+  for label in ("full", "copy baseline", "EM", "F1", "parse fail", "steps since the real first state"):
+    assert label in text

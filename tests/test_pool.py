@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("textworld_express")
 
 from dreamjax.envs import textworld_express as twx  # noqa: E402
+from dreamjax.envs.base import ENV_ERROR, env_failed  # noqa: E402
 from dreamjax.envs.pool import TAG_VAR, EnvPool  # noqa: E402
 
 KWARGS = {"step_limit": 12}
@@ -124,6 +125,38 @@ def test_killed_worker_fails_its_rows_and_pool_recovers(pool, tasks):
   obs = pool.reset_batch(tasks[:2])  # the restarted worker builds a fresh env
   results = pool.step_batch([o.admissible[0] for o in obs])
   assert not any("error" in r.info for r in results)
+
+
+def _children(pid: int) -> list[int]:
+  out = []
+  for name in os.listdir("/proc"):
+    if name.isdigit():
+      try:
+        with open(f"/proc/{name}/stat") as f:
+          if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(name))
+      except OSError:
+        pass
+  return out
+
+
+def test_killed_jvm_fails_its_row_and_its_env_is_rebuilt(pool, tasks):
+  """The env's own process (TWX's JVM) dies, not the worker: the row ends as an env failure (ENV_ERROR), the
+  worker lives on, and its next reset builds a new env."""
+  obs = pool.reset_batch(tasks[:2])
+  pool.step_batch([o.admissible[0] for o in obs])
+  worker = pool.pids[0]
+  jvms = _children(worker)
+  assert len(jvms) == 1, jvms
+  os.kill(jvms[0], signal.SIGKILL)
+  assert not _wait_gone(jvms)
+  results = pool.step_batch(["look around", "look around"])
+  assert env_failed(results[0]) and results[0].done and results[0].reward == 0.0 and not results[0].invalid
+  assert "step raised" in results[0].info[ENV_ERROR] and not env_failed(results[1])
+  assert pool.pids[0] == worker
+  obs = pool.reset_batch(tasks[:2])
+  assert not any(env_failed(r) for r in pool.step_batch([o.admissible[0] for o in obs]))
+  assert _children(worker) and _children(worker) != jvms
 
 
 def test_hung_worker_times_out_and_is_replaced(pool, tasks):

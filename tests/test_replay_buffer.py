@@ -18,23 +18,22 @@ import numpy as np
 import pytest
 
 from dreamjax.data.jsonl import JsonlWriter, dumps
-from dreamjax.data.records import StepRecord, TrajectoryRecord
+from dreamjax.data.records import StepRecord, TrajectoryRecord, Transition, transitions
 from dreamjax.envs.base import Task
 from dreamjax.replay import buffer as buffer_module
-from dreamjax.replay.buffer import FORMAT, MANIFEST, ReplayBuffer, UncommittedDataWarning
-from dreamjax.replay.transition import ReplayTransition, from_trajectories
+from dreamjax.replay.buffer import FORMAT, MANIFEST, ReplayBuffer, UncommittedDataWarning, transition_json
 from tests import replay_writer_child as child
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _t(i: int, source: str = "synthetic") -> ReplayTransition:
+def _t(i: int, origin: str = "synthetic") -> Transition:
   """Episodes of 4 steps; every other one succeeds (reward 1 on its last step), the others fail at their last."""
   task = Task.make("alfworld", f"pick/{i % 3}", "Put a mug in the sink.", seed=i, split="train", extra={"a": [1, 2]})
   win = i % 8 == 3
-  return ReplayTransition(f"ep{i // 4}", i % 4, task, "Put a mug in the sink. é", f"You see a mug {i}.\n\tTab",
-                          f"take mug {i}", f"You hold mug {i} ✓", float(win), i % 4 == 3, win, i % 5 == 0 and not win,
-                          source, 2 if source != "offline" else -1)
+  return Transition(f"ep{i // 4}", i % 4, task, "Put a mug in the sink. é", f"You see a mug {i}.\n\tTab",
+                    f"take mug {i}", f"You hold mug {i} ✓", float(win), i % 4 == 3, win, i % 5 == 0 and not win,
+                    origin, 2 if origin != "offline" else -1)
 
 
 def _record(i: int, n: int) -> TrajectoryRecord:
@@ -55,8 +54,8 @@ def _line(body: str | bytes) -> bytes:
   return b'{"_crc":"%08x",' % zlib.crc32(body) + body[1:]
 
 
-def _lines(items: list[ReplayTransition]) -> list[bytes]:
-  return [_line(dumps(t.to_json())) for t in items]
+def _lines(items: list[Transition]) -> list[bytes]:
+  return [_line(dumps(transition_json(t))) for t in items]
 
 
 @pytest.mark.parametrize("small_io", [False, True])
@@ -78,12 +77,12 @@ def test_round_trip_ids_segments_and_stats(tmp_path, monkeypatch, small_io):
   assert sorted(p.name for p in (tmp_path / "b/segments").iterdir()) == ["000000.jsonl", "000001.jsonl", "000002.jsonl"]
   assert _segment_lines(tmp_path / "b") == _lines(items)
   assert [json.loads(line) for line in _segment_lines(tmp_path / "b")] == [
-      {"_crc": f"{zlib.crc32(dumps(t.to_json()).encode()):08x}", **t.to_json()} for t in items]
+      {"_crc": f"{zlib.crc32(dumps(transition_json(t)).encode()):08x}", **transition_json(t)} for t in items]
   with ReplayBuffer(tmp_path / "b", read_only=True) as again:
     assert len(again) == 11 and list(again.iter_from(0)) == items and again.verify() == 11
     s = again.stats()
     assert (s.total, s.segments, s.seeds) == (11, 3, {})
-    assert s.by_source == {"offline": 4, "synthetic": 4, "real_online": 3}
+    assert s.by_origin == {"offline": 4, "synthetic": 4, "real_online": 3}
     assert s.bytes == sum(p.stat().st_size for p in (tmp_path / "b/segments").iterdir())
   with ReplayBuffer(tmp_path / "b") as buf:  # reopened for writing: ids go on from the committed end
     assert buf.append(items[:2]) == range(11, 13) and buf.get([12]) == [items[1]]
@@ -100,7 +99,7 @@ def test_truncate_rewinds_to_a_position_and_appends_go_on_from_it(tmp_path, n):
   assert _segment_lines(tmp_path / "b") == _lines(expected)
   with ReplayBuffer(tmp_path / "b", read_only=True) as again:
     assert list(again.iter_from(0)) == expected and again.verify() == 11
-    assert again.stats().by_source == {"offline": 6, "synthetic": 5, "real_online": 0}
+    assert again.stats().by_origin == {"offline": 6, "synthetic": 5, "real_online": 0}
   with ReplayBuffer(tmp_path / "b") as buf:
     buf.seed([_record(0, 2)], tag="offline")
     with pytest.raises(ValueError, match="would cut seed 'offline'"):
@@ -126,13 +125,13 @@ def test_seed_once_per_tag_from_a_file_or_records(tmp_path):
   with JsonlWriter(path) as w:
     for r in records:
       w.write(r.to_json())
-  expected = list(from_trajectories(records, "offline", -1))
+  expected = list(transitions(records, 0))
   with ReplayBuffer(tmp_path / "b", records_per_segment=3) as buf:
     assert buf.seed(path, "twx") == range(0, 8)
     assert buf.seed(path, "twx") == range(0, 8) and len(buf) == 8
     online = [_t(i) for i in range(2)]
     buf.append(online)
-    assert buf.seed(records[:1], "mine", source="real_online", policy_version=4) == range(10, 13)
+    assert buf.seed(records[:1], "mine", origin="real_online", policy_version=4) == range(10, 13)
     assert buf.seed([_t(5, "offline")], "one transition") == range(13, 14)
     assert buf.seed([], "empty") == range(14, 14)
   path.unlink()  # a committed tag is a no-op that reads nothing, also after a resume
@@ -140,11 +139,11 @@ def test_seed_once_per_tag_from_a_file_or_records(tmp_path):
     assert buf.seed(path, "twx") == range(0, 8) and buf.seed([_record(9, 2)], "mine") == range(10, 13)
     assert buf.seed([], "empty") == range(14, 14) and len(buf) == 14
     assert list(buf.iter_from(0)) == expected + online + [
-        dataclasses.replace(t, source="real_online", policy_version=4) for t in expected[:3]] + [_t(5, "offline")]
+        dataclasses.replace(t, origin="real_online", policy_version=4) for t in expected[:3]] + [_t(5, "offline")]
     s = buf.stats()
     assert s.seeds == {"twx": range(0, 8), "mine": range(10, 13), "one transition": range(13, 14),
                        "empty": range(14, 14)}
-    assert s.by_source == {"offline": 9, "synthetic": 2, "real_online": 3}
+    assert s.by_origin == {"offline": 9, "synthetic": 2, "real_online": 3}
     with pytest.raises(ValueError, match="seed tag must be a non-empty string"):
       buf.seed(records, "")
 
@@ -176,8 +175,11 @@ def test_failed_append_rolls_back_and_names_the_item(tmp_path):
     nan = dataclasses.replace(items[4], reward=float("nan"))
     with pytest.raises(ValueError, match=r"append item 3 \(episode 'ep1' step 0\): field 'reward': expected a finite"):
       buf.append(items[3:] + [nan])  # the bad item comes after two segment rolls were written
-    with pytest.raises(TypeError, match="append item 1: expected a ReplayTransition, got dict"):
-      buf.append([items[0], items[1].to_json()])
+    with pytest.raises(TypeError, match="append item 1: expected a Transition, got dict"):
+      buf.append([items[0], transition_json(items[1])])
+    with pytest.raises(ValueError, match=r"append item 0 \(episode 'ep0' step 0\): carries a history, which the buffer "
+                                         "does not store"):
+      buf.append([dataclasses.replace(items[0], history=(("room", "look"),))])
     np_param = dataclasses.replace(items[0], task=Task.make("alfworld", "x", seed=np.int64(3)))
     with pytest.raises(ValueError, match="append item 0 .*not JSON-serialisable"):
       buf.append([np_param])
@@ -220,11 +222,11 @@ def test_errors_name_file_and_line(tmp_path):
       r.get([4])
     with pytest.raises(ValueError, match=rf"^{p}:2: no checksum"):
       r.verify()
-  good = dumps(_t(4).to_json())
+  good = dumps(transition_json(_t(4)))
   for bad, message in [('{"oops', "not valid JSON"),
                        (good.replace('"reward":0.0', '"reward":"0"'), "field 'reward': expected a finite number"),
                        (good.replace('"done":false', '"done":0'), "field 'done': expected true or false"),
-                       (good.replace('"source":"synthetic"', '"source":"dream"'), "field 'source': expected one of offline, synthetic"),
+                       (good.replace('"origin":"synthetic"', '"origin":"dream"'), "field 'origin': expected one of offline, synthetic"),
                        (good.replace('"action":', '"actio":'), "field 'action': missing")]:
     _corrupt(folder, "000001.jsonl", 2, bad, checksum=True)
     with ReplayBuffer(folder, read_only=True) as r, pytest.raises(ValueError, match=rf"^{p}:2: .*{message}"):
@@ -274,7 +276,7 @@ def test_outcomes_must_follow_the_env_contract(tmp_path):
         buf.append([items[6], bad])
       assert len(buf) == 6 and {p.name: p.stat().st_size for p in (folder / "segments").iterdir()} == sizes
   # A line with a valid checksum but an outcome no env gives (a writer without the check): refused on every read.
-  good = dumps(items[4].to_json())
+  good = dumps(transition_json(items[4]))
   for bad, problem in [(good.replace('"reward":0.0', '"reward":1.0'), "reward is 1 but success is false"),
                        (good.replace('"success":false', '"success":true'), "success is true but done is false"),
                        (good.replace('"reward":0.0', '"reward":0.5'), "reward 0.5 is not 0 or 1")]:
@@ -301,14 +303,15 @@ def test_refuses_other_formats_foreign_folders_second_writers_and_lost_data(tmp_
     with pytest.raises(ValueError, match=rf"{folder / MANIFEST}: written in format 'dreamjax.replay.v9', this "
                                          rf"dreamjax reads '{FORMAT}'; refusing"):
       ReplayBuffer(folder, read_only=read_only)
-  # The previous format's lines have no checksums: refused, saying so, rather than read unverified.
-  (folder / MANIFEST).write_text(json.dumps({**manifest, "format": "dreamjax.replay.v1"}))
-  for read_only in (True, False):
-    with pytest.raises(ValueError, match=rf"{folder / MANIFEST}: written in format 'dreamjax.replay.v1', whose lines "
-                                         rf"carry no checksums; this dreamjax reads '{FORMAT}' and refuses it"):
-      ReplayBuffer(folder, read_only=read_only)
+  # Older formats are refused, saying why, rather than read unverified or converted silently.
+  for old, why in [("v1", "whose lines carry no checksums"), ("v2", "whose lines name a transition's origin 'source'")]:
+    (folder / MANIFEST).write_text(json.dumps({**manifest, "format": f"dreamjax.replay.{old}"}))
+    for read_only in (True, False):
+      with pytest.raises(ValueError, match=rf"{folder / MANIFEST}: written in format 'dreamjax.replay.{old}', {why}; "
+                                           rf"this dreamjax reads '{FORMAT}' and refuses it"):
+        ReplayBuffer(folder, read_only=read_only)
   segments = [{"records": 3, "bytes": "1"}] + manifest["segments"][1:]
-  for bad in [{"total": 6}, {"segments": segments}, {"seeds": {"a": [4, 2]}}, {"by_source": {"offline": 5}}]:
+  for bad in [{"total": 6}, {"segments": segments}, {"seeds": {"a": [4, 2]}}, {"by_origin": {"offline": 5}}]:
     (folder / MANIFEST).write_text(json.dumps({**manifest, **bad}))
     with pytest.raises(ValueError, match=rf"{folder / MANIFEST}: malformed manifest"):
       ReplayBuffer(folder, read_only=True)
@@ -336,7 +339,7 @@ def test_uncommitted_tail_and_segments_are_ignored_by_readers_and_removed_by_the
   seg1, seg2 = folder / "segments/000001.jsonl", folder / "segments/000002.jsonl"
   committed = seg1.read_bytes()
   # What a writer killed mid-append leaves: complete and torn lines past the committed end, and a new segment file.
-  seg1.write_bytes(committed + (dumps(items[4].to_json()) + "\n").encode() + b'{"episode_id": "to')
+  seg1.write_bytes(committed + (dumps(transition_json(items[4])) + "\n").encode() + b'{"episode_id": "to')
   seg2.write_bytes(b'{"torn')
   with ReplayBuffer(folder, read_only=True) as r:
     assert len(r) == 4 and list(r.iter_from(0)) == items[:4] and seg1.read_bytes() != committed
@@ -347,21 +350,10 @@ def test_uncommitted_tail_and_segments_are_ignored_by_readers_and_removed_by_the
   buf.close()
 
 
-def _consistent(t: ReplayTransition) -> ReplayTransition:
-  """replay_writer_child's transition with an outcome the buffer accepts: its success and invalid flags ignore the env
-  contract (success on steps that are not the last, without reward), which the buffer now refuses."""
-  return dataclasses.replace(t, success=t.reward == 1.0, invalid=t.invalid and t.reward != 1.0)
-
-
-# Runs the child with `_consistent` outcomes (the test patches the same function in this process).
-_CHILD = ("import sys\nfrom tests import replay_writer_child as c, test_replay_buffer as t\n"
-          "expected = c.expected\nc.expected = lambda i: t._consistent(expected(i))\n"
-          "c.main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))\n")
-
-
 def _child(folder: Path, max_batches: int) -> subprocess.Popen:
   env = {**os.environ, "PYTHONPATH": str(ROOT)}
-  return subprocess.Popen([sys.executable, "-c", _CHILD, str(folder), "5", str(max_batches)], stdout=subprocess.PIPE,
+  return subprocess.Popen([sys.executable, str(ROOT / "tests/replay_writer_child.py"), str(folder), "5",
+                           str(max_batches)], stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
@@ -373,7 +365,6 @@ def _torn(folder: Path) -> bool:
 
 
 def test_sigkill_at_random_moments_loses_no_committed_batch(tmp_path, monkeypatch):
-  monkeypatch.setattr(child, "expected", lambda i, expected=child.expected: _consistent(expected(i)))
   folder, rng = tmp_path / "b", random.Random(0)
   acknowledged, torn, kills = 0, 0, 8
   reader = None

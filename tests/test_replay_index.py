@@ -3,12 +3,12 @@
 import numpy as np
 import pytest
 
+from dreamjax.data.records import Transition
 from dreamjax.envs.base import Task
 from dreamjax.replay import index as index_mod
 from dreamjax.replay.encoder import MiniLMEncoder
 from dreamjax.replay.index import AutoIndex, ExactIndex, ScannIndex, make_index
 from dreamjax.replay.retriever import Retriever
-from dreamjax.replay.transition import ReplayTransition
 from experiments.bench.retrieval import clustered_vectors
 
 
@@ -137,10 +137,9 @@ def test_auto_index_switches_to_scann_at_the_threshold():
   assert recall(index.search(queries, 10)[1], brute_force(data, queries, 10)[1]) >= 0.9
 
 
-def _transition(episode: str, step: int, state: str, action: str) -> ReplayTransition:
+def _transition(episode: str, step: int, state: str, action: str) -> Transition:
   task = Task.make("textworld_express", f"{episode}-task", "make a meal")
-  return ReplayTransition(episode, step, task, task.instruction, state, action, f"after {action}", 0.0, False, False,
-                          False, "offline")
+  return Transition(episode, step, task, task.instruction, state, action, f"after {action}", 0.0, False, False, False)
 
 
 @pytest.fixture(scope="module")

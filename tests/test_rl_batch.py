@@ -1,5 +1,7 @@
 """Batch builders: advantages land exactly on the action tokens of the right turns; SFT and DPO layouts; padding."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -45,7 +47,7 @@ def make_traj(rows=TURNS) -> Trajectories:
       done=np.array([k == num_turns[e] - 1 and ENDED[e] for e, k, *_ in rows]),
       invalid=np.array([r[5] for r in rows]), truncated=np.zeros(m, bool), group=np.array(GROUP, np.int32),
       task_index=np.array(GROUP, np.int32), num_turns=num_turns, turn_rows=turn_rows, episode_reward=ep_reward,
-      success=ep_reward > 0, ended=np.array(ENDED), records=(),
+      success=ep_reward > 0, ended=np.array(ENDED), env_error=np.zeros(n, bool), records=(),
   )
 
 
@@ -82,6 +84,26 @@ def test_grpo_advantages_on_action_tokens_with_invalid_penalty():
     b0 = rl_batch(traj, advantage="grpo", invalid_penalty=penalty, normalize_std=False, pad_to=8)
     assert b0.tokens.shape == (7, 8)
     check_on_actions(np.asarray(b0.advantages)[:, :T], [(centred, -centred, -0.5, 0.5)[r[0]] for r in TURNS])
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "gae_turn", "gae_token"])
+def test_env_failed_episodes_are_left_out(advantage):
+  """Episode 1 ended because its env failed: no loss on its tokens, and group 0 has one member left, so episode 0
+  (alone in its group) gets zero GRPO advantage instead of being compared with a failure it did not cause."""
+  traj = make_traj()
+  failed = dataclasses.replace(traj, env_error=np.array([False, True, False, False]))
+  values = np.random.RandomState(2).randn(len(TURNS), T).astype(np.float32)
+  b = rl_batch(failed, advantage=advantage, values=values, pad_to=8)
+  ref = rl_batch(traj, advantage=advantage, values=values, pad_to=8)
+  check_on_actions(np.asarray(b.loss_mask)[:, :T], [float(r[0] != 1) for r in TURNS])
+  assert not np.asarray(b.advantages)[2].any()  # row 2 is episode 1's turn
+  if advantage == "grpo":
+    check_on_actions(np.asarray(b.advantages)[:, :T], [(0.0, 0.0, -a, a)[r[0]] for r in TURNS
+                                                       for a in [0.5 / (1.0 / np.sqrt(2) + 1e-6)]])
+  else:  # GAE is per episode: the other episodes keep exactly their advantages and returns
+    keep = [i for i, r in enumerate(TURNS) if r[0] != 1]
+    np.testing.assert_array_equal(np.asarray(b.advantages)[keep], np.asarray(ref.advantages)[keep])
+    np.testing.assert_array_equal(np.asarray(b.returns)[keep], np.asarray(ref.returns)[keep])
 
 
 def test_gae_over_turns_uses_turn_state_values():

@@ -5,6 +5,8 @@ path; a policy fine-tuned for a few dozen steps on expert answers exercises real
 """
 
 import dataclasses
+import os
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,9 @@ import pytest
 
 from dreamjax.envs import SerialBatchEnv
 from dreamjax.envs.textworld_express import INVALID_FEEDBACK, TextWorldExpressEnv, tasks
+from dreamjax.loop.evaluate import evaluate
 from dreamjax.models import Transformer, init_params, tiny
+from dreamjax.rl.batch import rl_batch
 from dreamjax.rollout.agent import INVALID_ANSWER, AgentFormat, build_turn_prompt, format_answer, parse_answer, user_text
 from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
 from dreamjax.sampling import sampling_params
@@ -314,12 +318,19 @@ def _sft(cfg, tok, expert_turns, steps: int, lr: float):
   return params, float(loss)
 
 
-def test_fine_tuned_policy_acts_in_the_real_env(twx, tok, policy_cfg, expert_turns, far_tasks):
+@pytest.fixture(scope="module")
+def tuned_params(tok, policy_cfg, expert_turns):
   params, loss = _sft(policy_cfg, tok, expert_turns, steps=40, lr=5e-3)
   assert loss < 0.1
-  cfg = RolloutConfig(group_size=1, max_turns=3, max_action_tokens=16, max_episode_tokens=64,
-                      prompt_buckets=(512,), temperature=0.0)
-  engine = RolloutEngine(policy_cfg, tok, FMT, cfg)
+  return params
+
+
+GREEDY = RolloutConfig(group_size=1, max_turns=3, max_action_tokens=16, max_episode_tokens=64, prompt_buckets=(512,),
+                       temperature=0.0)
+
+
+def test_fine_tuned_policy_acts_in_the_real_env(twx, tok, policy_cfg, tuned_params, far_tasks):
+  params, engine = tuned_params, RolloutEngine(policy_cfg, tok, FMT, GREEDY)
   # two unseen one-room games (the coin is in sight) and a two-room game whose coin is in the other room
   near = tasks("coin", "test", 2, params=ONE_ROOM, env=twx.envs[0])
   far = next(t for t in far_tasks if "coin" not in twx.envs[0].reset(t).state.split("\n")[1])
@@ -343,3 +354,59 @@ def test_fine_tuned_policy_acts_in_the_real_env(twx, tok, policy_cfg, expert_tur
       pytest.fail("an admissible action came back invalid")
   assert traj.ended[2] == bool(traj.done[rows[-1]])
   assert traj.stats["parse_failures"] + traj.stats["env_invalid"] == int(traj.invalid.sum())
+
+
+class _KillJvm:
+  """A SerialBatchEnv of TWX envs whose row `row` JVM is killed (SIGKILL, by pid) before the `at`-th step_batch of
+  each of the first `times` episode batches: the env process dying mid-episode, as it does in a long run."""
+
+  def __init__(self, rows: int, row: int, at: int, times: int):
+    make = lambda: TextWorldExpressEnv(step_limit=3)  # noqa: E731
+    self.inner = SerialBatchEnv([make() for _ in range(rows)], make)
+    self.row, self.at, self.times, self.killed = row, at, times, []
+
+  def reset_batch(self, tasks):
+    self.steps = 0
+    return self.inner.reset_batch(tasks)
+
+  def step_batch(self, actions):
+    self.steps += 1
+    if self.steps == self.at and len(self.killed) < self.times:
+      proc = self.inner.envs[self.row]._twx._gateway.java_process
+      os.kill(proc.pid, signal.SIGKILL)
+      proc.wait()
+      self.killed.append(proc.pid)
+    return self.inner.step_batch(actions)
+
+  def close(self):
+    self.inner.close()
+
+
+def test_an_env_that_dies_mid_episode_is_marked_left_out_and_rerun(twx, tok, policy_cfg, tuned_params):
+  engine = RolloutEngine(policy_cfg, tok, FMT, GREEDY)
+  near = tasks("coin", "test", 2, params=ONE_ROOM, env=twx.envs[0])
+  env = _KillJvm(rows=2, row=0, at=2, times=1)
+  try:
+    # Row 0's JVM dies before its second action ("take coin"): the row ends as an env failure, the other is untouched.
+    traj = engine.run(tuned_params, env, near, jax.random.key(0))
+    assert env.killed and env.inner.failures == 1
+    assert traj.env_error.tolist() == [True, False] and traj.stats["env_errors"] == 1
+    assert not traj.success[0] and traj.success[1] and traj.num_turns.tolist() == [2, 2]
+    batch = rl_batch(traj, advantage="grpo", pad_to=64)
+    rows0 = traj.turn_rows[0, :2]
+    assert not np.asarray(batch.loss_mask)[rows0].any() and np.asarray(batch.loss_mask)[traj.turn_rows[1, :2]].any()
+    # The failed env was rebuilt: the next batch runs on a new JVM, and both games are won.
+    again = engine.run(tuned_params, env, near, jax.random.key(0))
+    assert not again.env_error.any() and again.success.all() and env.inner.restarts == 1
+  finally:
+    env.close()
+  # Evaluation reruns a task the env failed on; a task it fails on twice is left out of the rates and named.
+  for times, reruns, lost in ((1, 1, []), (2, 1, [near[0].task_id])):
+    env = _KillJvm(rows=2, row=0, at=2, times=times)
+    try:
+      result = evaluate(engine, tuned_params, env, near, jax.random.key(0))
+    finally:
+      env.close()
+    assert result["env_error_reruns"] == reruns and result["env_error_tasks"] == lost
+    assert result["episodes"] == 2 - len(lost) and result["success_rate"] == 1.0
+    assert [o[0] for o in result["outcomes"]] == [t.task_id for t in near if t.task_id not in lost]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dreamjax.models import Transformer, init_params, tiny
-from dreamjax.sampling import Sampler, sampling_params, truncation_mask
+from dreamjax.sampling import Sampler, left_pad, sampling_params, truncation_mask
 from dreamjax.sampling.logits import _inverse_cdf
 
 CFG = tiny("qwen2", vocab_size=300)
@@ -182,3 +182,12 @@ def test_inverse_cdf_draws_follow_the_weights():
   np.testing.assert_allclose(freq, [0.1, 0.2, 0.3, 0.4], atol=0.015)
   edge = np.asarray(_inverse_cdf(jnp.asarray(weights), jnp.asarray([0.0, 0.9999999])))
   assert list(edge) == [0, 299]
+
+
+def test_left_pad_aligns_prompts_right_and_gives_missing_rows_a_dummy():
+  tokens, mask = left_pad({0: [5, 6, 7], 2: [9]}, rows=3, width=4, pad_id=0)
+  np.testing.assert_array_equal(tokens, [[0, 5, 6, 7], [0, 0, 0, 0], [0, 0, 0, 9]])
+  np.testing.assert_array_equal(mask, [[0, 1, 1, 1], [0, 0, 0, 1], [0, 0, 0, 1]])
+  assert tokens.dtype == np.int32 and mask.dtype == bool
+  same, _ = left_pad([[5, 6, 7], [1, 2]], rows=2, width=3, pad_id=0)
+  np.testing.assert_array_equal(same, [[5, 6, 7], [0, 1, 2]])

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 from dreamjax.data.records import StepRecord, TrajectoryRecord, transitions
-from dreamjax.envs.base import Observation, Task
+from dreamjax.envs.base import Observation, Task, env_failed
 from dreamjax.experience.format import (
     FAILURE_STATE,
     ExpFormatConfig,
@@ -31,7 +31,6 @@ from dreamjax.models import Transformer, init_params, tiny
 from dreamjax.replay.encoder import BackbonePooledEncoder
 from dreamjax.replay.index import make_index
 from dreamjax.replay.retriever import Retriever
-from dreamjax.replay.transition import from_trajectories
 from dreamjax.rollout.agent import AgentFormat, build_turn_prompt, format_answer, user_text
 from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
 from dreamjax.text import Kind, train_bpe_tokenizer
@@ -107,7 +106,7 @@ def random_params(cfg):
 @pytest.fixture(scope="module")
 def retriever(cfg, random_params, tok, records):
   r = Retriever(BackbonePooledEncoder(cfg, random_params, tok), make_index("exact", cfg.hidden_size))
-  r.add(list(from_trajectories(records)))
+  r.add(list(transitions(records, max_history=0)))
   return r
 
 
@@ -181,7 +180,8 @@ def test_malformed_outputs_are_counted_failures(random_env, tok, retriever, reco
     r = results[i]
     assert r.done and r.reward == 0.0 and not r.success and not r.invalid
     assert r.observation == Observation(FAILURE_STATE, rows[i].instruction, rows[i].steps[0].admissible)
-    assert r.info["error"] and not r.info["truncated"] and r.info["step"] == 1
+    assert r.info["error"].startswith("experience model: ") and env_failed(r)
+    assert not r.info["truncated"] and r.info["step"] == 1
     assert 1 <= r.info["generated_tokens"] <= 12
     # the prompt is build_prompt's, with the row's retrieved transition (never its own episode)
     found = retriever.query([rows[i].steps[0].state], [actions[i]], FMT.k, exclude_episodes=[own[i]])[0]
@@ -339,7 +339,7 @@ def test_fine_tuned_model_replays_recorded_transitions(trained_env, tok, retriev
     for i, (r, res) in enumerate(zip(records, results)):
       s = r.steps[j]
       t = next(t for t in transitions([r]) if t.step == j)
-      assert res.info["error"] == "" and res.info["stopped"], res.info["output"]
+      assert "error" not in res.info and res.info["stopped"], res.info["output"]
       assert (res.observation.state, res.reward, res.done, res.success, res.invalid) == (
           s.next_state, s.reward, s.done, s.success, s.invalid)
       assert res.observation.admissible == () and res.info["reasoning"] == _reason(t)

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # System packages the real environments need, installed only where missing (Debian, as root):
-# Java 17 for TextWorld-Express and ALFWorld's tooling, Chromium + ChromeDriver for BrowserGym/MiniWoB.
+# Java 17 for TextWorld-Express and ALFWorld's tooling, Chromium + ChromeDriver for BrowserGym/MiniWoB, strace for
+# tests/test_no_network.py (which watches every connect the envs and W&B make).
 set -euo pipefail
 need=()
 command -v java >/dev/null 2>&1 || need+=(openjdk-17-jre-headless)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
 command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
+command -v strace >/dev/null 2>&1 || need+=(strace)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi

@@ -26,6 +26,7 @@ from typing import Any
 from dreamjax.data.records import iter_trajectories
 from dreamjax.experience.annotate import Annotator, annotate_file, rule_annotator, success_references
 from dreamjax.experience.teacher import FAILURE_MODES, TeacherAnnotator, TeacherError
+from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.track import progress
 
 ANNOTATORS = ("rules", "teacher")
@@ -119,6 +120,11 @@ def run(cfg: AnnotateConfig) -> dict[str, Any]:
     raise ValueError(f"AnnotateConfig.trajectories: {src} does not exist (collect trajectories with `dreamjax "
                      f"collect` first)")
   out = output_path(cfg)
+  with lock_run_folder(out.parent):  # one writer per folder (the collector's, by default): none appends under another
+    return _annotate(cfg, src, out)
+
+
+def _annotate(cfg: AnnotateConfig, src: Path, out: Path) -> dict[str, Any]:
   step_limit = cfg.step_limit or collected_step_limit(src)
   records = list(iter_trajectories(src))  # validates the whole file before any output is written
   envs = sorted({r.env for r in records})

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dreamjax.data.collect import CollectConfig, collect
+from dreamjax.loop.lock import lock_run_folder
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -27,7 +28,8 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 def run(cfg: CollectConfig) -> dict[str, Any]:
   """The `dreamjax collect` command."""
-  summary = collect(cfg)
+  with lock_run_folder(cfg.out_dir):  # one collector per folder: two would append the same episodes
+    summary = collect(cfg)
   print(format_summary(summary))
   print(f"summary: {Path(cfg.out_dir) / 'summary.json'}" +
         (f"; TFDS dataset: {Path(cfg.out_dir) / 'tfds'}" if cfg.build_tfds else ""))

@@ -41,6 +41,7 @@ import numpy as np
 from dreamjax.data.records import read_trajectory_files
 from dreamjax.loop.config import RunConfig, check_settings, run_mesh
 from dreamjax.loop.evaluate import EvalConfig, Evaluator, evaluate_and_log, format_eval, training_tasks
+from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.model import load_model, save_model
 from dreamjax.loop.policy_data import PairConfig, PreferencePair, preference_pairs
 from dreamjax.loop.track import Tracker, echo, progress, to_json
@@ -50,7 +51,7 @@ from dreamjax.rl.logprobs import LogpScorer, score_len_for
 from dreamjax.rl.objectives import make_objective
 from dreamjax.rl.optim import OptimConfig, make_optimizer
 from dreamjax.rl.train_state import create_train_state
-from dreamjax.rl.update import data_parallel_size, make_train_step
+from dreamjax.rl.update import SkipCounter, data_parallel_size, make_train_step
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
 
@@ -78,10 +79,13 @@ class DpoConfig(RunConfig):
   score_batch: int = 16  # rows per reference-scoring call
   eval: EvalConfig = EvalConfig(at_start=True)
   log_every: int = 10
+  # Updates skipped in a row for a non-finite loss or gradient (the step keeps the old weights) before the run stops.
+  max_nonfinite_updates: int = 3
   out_dir: str = "runs/dpo/twx"
 
   def __post_init__(self):
-    check_settings(self, ("pairs_per_step", "micro_batches", "epochs", "score_batch", "log_every"),
+    check_settings(self, ("pairs_per_step", "micro_batches", "epochs", "score_batch", "log_every",
+                          "max_nonfinite_updates"),
                         ("max_steps", "pad_to", "devices"))
     if self.beta <= 0:
       raise ValueError(f"DpoConfig.beta must be > 0, got {self.beta}")
@@ -144,7 +148,7 @@ def run(cfg: DpoConfig, env=None) -> dict[str, Any]:
   if not cfg.checkpoint or not (Path(cfg.checkpoint) / "config.json").is_file():
     raise ValueError(f"checkpoint: {cfg.checkpoint!r} is not an HF checkpoint folder (train one with policy SFT)")
   out = Path(cfg.out_dir)
-  with Tracker(out, to_json(cfg), cfg.track) as tracker:
+  with lock_run_folder(out), Tracker(out, to_json(cfg), cfg.track) as tracker:  # one run per folder
     return _train(cfg, env, out, tracker, t_start)
 
 
@@ -182,6 +186,7 @@ def _train(cfg: DpoConfig, env, out: Path, tracker: Tracker, t_start: float) -> 
   state = create_train_state(model_cfg, params, optimizer, mesh)
   del params
   history, evals = [], []
+  skips = SkipCounter(cfg.max_nonfinite_updates, "DPO")
   try:
     if cfg.eval.at_start:
       evals.append(evaluate_and_log(evaluator, state.params, key, 0, tracker))
@@ -196,9 +201,10 @@ def _train(cfg: DpoConfig, env, out: Path, tracker: Tracker, t_start: float) -> 
                             row_multiple=per_micro * cfg.micro_batches)
           state, metrics = step_fn(state, with_reference(batch, ref), jax.random.fold_in(key, step), score_len)
           step += 1
+          skips.add(metrics, f"step {step}")
           bar.update()
           if step % cfg.log_every == 0 or step == total or step == 1:
-            row = tracker.log(step, jax.device_get(metrics), epoch=epoch)
+            row = tracker.log(step, jax.device_get(metrics) | skips.check(), epoch=epoch)
             history.append(row)
             echo(f"dpo step {step}/{total}: loss {row['loss']:.4f}, margin {row['margin']:.4f}, reward accuracy "
                  f"{row['reward_accuracy']:.3f}")
@@ -214,6 +220,7 @@ def _train(cfg: DpoConfig, env, out: Path, tracker: Tracker, t_start: float) -> 
       "checkpoint": str(checkpoint), "reference": cfg.checkpoint, "pairs": pair_stats, "steps": step,
       "epochs": round(step / steps_per_epoch, 3), "batch_rows": per_micro * cfg.micro_batches, "row_length": length,
       "reference_rows": len(ref), "reference_seconds": round(ref_s, 3), "compilations": step_fn.compilations(),
+      "skipped_updates": skips.total,
       **{f"first_{k}": first[k] for k in ("loss", "margin", "reward_accuracy")},
       **{f"final_{k}": last[k] for k in ("loss", "margin", "reward_accuracy")},
       "train_seconds": round(train_s, 3), "eval": evals[-1]["result"], "eval_history": evals,

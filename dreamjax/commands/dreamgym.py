@@ -56,6 +56,7 @@ from dreamjax.experience.sft_data import annotations_for
 from dreamjax.experience.synthetic_env import SyntheticEnv, initial_states_from
 from dreamjax.loop.dreamgym import DreamGymHook, PlacementConfig, make_meshes, seed_records
 from dreamjax.loop.learner import PolicyLearner, RLConfig, load_policy
+from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.run import Run, run_iterations
 from dreamjax.parallel import initialize, is_primary
 from dreamjax.replay.write_back import open_replay, rebuild_retriever
@@ -93,7 +94,13 @@ def run(cfg: DreamGymConfig) -> dict[str, Any]:
   """The `dreamjax dreamgym` command: trains in the experience model (resuming from the latest checkpoint in
   `out_dir` when there is one), evaluates on the real env, writes the run folder; returns the summary."""
   initialize(cfg.rl.distributed)  # before anything touches devices: after it, jax.devices() spans every process
+  with lock_run_folder(cfg.out_dir):  # a second run on the folder is refused before M_exp loads; `Run` re-enters it
+    return _run(cfg)
+
+
+def _run(cfg: DreamGymConfig) -> dict[str, Any]:
   rl = dataclasses.replace(cfg.rl, out_dir=cfg.out_dir)
+  rl.model.check("DreamGymConfig.rl.model.checkpoint")  # before M_exp loads and the real env starts
   mesh, exp_mesh = make_meshes(rl, cfg.placement)
   eval_pool = rl.eval_tasks.tasks(rl.env)
   records, seeds = seed_records(cfg.offline_data, cfg.seed_tasks, rl.tasks_per_iteration, {t.task_id for t in eval_pool})

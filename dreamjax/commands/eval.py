@@ -23,6 +23,7 @@ from dreamjax.envs.registry import make_batch_env
 from dreamjax.loop.config import RunConfig, run_mesh
 from dreamjax.loop.evaluate import evaluate, greedy_rollout
 from dreamjax.loop.learner import TaskSpec
+from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.model import load_model
 from dreamjax.loop.track import to_json
 from dreamjax.rollout.agent import AgentFormat
@@ -49,6 +50,11 @@ def run(cfg: EvalRunConfig) -> dict[str, Any]:
     raise ValueError(f"EvalRunConfig.checkpoint: {cfg.checkpoint!r} is not an HF checkpoint folder")
   if cfg.batch < 1:
     raise ValueError(f"EvalRunConfig.batch must be >= 1, got {cfg.batch}")
+  with lock_run_folder(cfg.out_dir):  # one evaluation per folder, refused before the model loads
+    return _evaluate(cfg)
+
+
+def _evaluate(cfg: EvalRunConfig) -> dict[str, Any]:
   mesh = run_mesh(cfg)
   model_cfg, params, tok = load_model(cfg.checkpoint, mesh=mesh)
   tasks = cfg.tasks.tasks(cfg.env)

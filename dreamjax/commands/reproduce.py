@@ -39,8 +39,9 @@ from dreamjax.data.jsonl import read_jsonl
 from dreamjax.data.records import read_trajectories
 from dreamjax.loop.evaluate import EvalConfig, wilson_interval
 from dreamjax.loop.learner import RLConfig, TaskSpec
+from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.plots import success_bars
-from dreamjax.loop.track import to_json
+from dreamjax.loop.track import json_dumps, to_json
 from dreamjax.rollout.agent import AgentFormat
 
 ABLATIONS = ("no_replay", "no_curriculum", "no_reasoning")
@@ -147,13 +148,17 @@ def _stage(folder: Path, marker: str, fn: Callable[[], Any]) -> dict[str, Any]:
 
 
 def run(cfg: ReproduceConfig) -> dict[str, Any]:
+  out = Path(cfg.out_dir)
+  with lock_run_folder(out):  # once: every stage locks its own subfolder, a folder of its own
+    return _reproduce(cfg, out)
+
+
+def _reproduce(cfg: ReproduceConfig, out: Path) -> dict[str, Any]:
   from dreamjax.commands import dpo, dreamgym, rl, train_exp, train_policy
   from dreamjax.commands import eval as eval_run
   from dreamjax.commands.collect import run as collect
 
-  out = Path(cfg.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "config.json").write_text(json.dumps(to_json(cfg), indent=2, sort_keys=True))
+  (out / "config.json").write_text(json_dumps(to_json(cfg), indent=2, sort_keys=True))
   t0 = time.perf_counter()
   data = out / "data" / "trajectories.jsonl"
   _stage(out / "data", "summary.json", lambda: collect(dataclasses.replace(cfg.collect, out_dir=str(out / "data"))))
@@ -235,7 +240,7 @@ def run(cfg: ReproduceConfig) -> dict[str, Any]:
 
   result = {"rows": rows, "seeds": list(cfg.seeds), "offline_transitions": offline,
             "eval": to_json(cfg.eval.tasks), "seconds": time.perf_counter() - t0}
-  (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+  (out / "results.json").write_text(json_dumps(result, indent=1) + "\n")
   text = table(rows, cfg)
   (out / "results.md").write_text(text + "\n")
   success_bars(rows, out / "results.svg")

@@ -32,6 +32,7 @@ def run(cfg: RLConfig, env: BatchEnv | None = None) -> dict[str, Any]:
   returns the summary. `env` may be any BatchEnv taking `cfg.rows` rows (it is not closed here); by default one is
   made from the config."""
   initialize(cfg.distributed)  # before anything touches devices: after it, jax.devices() spans every process
+  cfg.model.check("RLConfig.model.checkpoint")  # a bad path: one line now, not a traceback once the JVMs started
   mesh = run_mesh(cfg)
   train_pool, eval_pool = cfg.train_tasks.tasks(cfg.env), cfg.eval_tasks.tasks(cfg.env)
   shared = {t.task_id for t in train_pool} & {t.task_id for t in eval_pool}

@@ -9,7 +9,6 @@ weights produce random text; the point is the pipeline and its speed.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 
@@ -17,10 +16,12 @@ import jax
 import numpy as np
 
 from dreamjax.loop.config import RunConfig, run_mesh
+from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.model import ModelSource, prepare_model
+from dreamjax.loop.track import json_dumps
 from dreamjax.models import ModelConfig, tiny
 from dreamjax.parallel import SAMPLE_RULES
-from dreamjax.sampling import Sampler, sampling_params
+from dreamjax.sampling import Sampler, left_pad, sampling_params
 from dreamjax.text import Kind, SegmentBuilder
 
 
@@ -52,6 +53,11 @@ def _corpus(n: int, seed: int) -> list[str]:
 
 
 def run(cfg: SampleConfig) -> dict:
+  with lock_run_folder(cfg.out_dir):  # one run per folder (it builds tiny-checkpoint/ there)
+    return _sample(cfg)
+
+
+def _sample(cfg: SampleConfig) -> dict:
   out = Path(cfg.out_dir)
   mesh = run_mesh(cfg)
   folder, model_cfg, params, tokenizer = prepare_model(
@@ -63,10 +69,7 @@ def run(cfg: SampleConfig) -> dict:
                                             "<think>...</think><action>...</action>.").append(Kind.TASK, task)
     prompts.append(conv.prompt())
   width = max(len(p) for p in prompts)
-  tokens = np.full((len(prompts), width), tokenizer.pad_id, np.int32)
-  mask = np.zeros(tokens.shape, bool)
-  for i, p in enumerate(prompts):  # left padding
-    tokens[i, width - len(p):], mask[i, width - len(p):] = p, True
+  tokens, mask = left_pad(prompts, len(prompts), width, tokenizer.pad_id)
   sampler = Sampler(model_cfg, cfg.max_new_tokens, pad_id=tokenizer.pad_id, mesh=mesh, rules=SAMPLE_RULES)
   sp = sampling_params(len(prompts), cfg.max_new_tokens, cfg.temperature, cfg.top_p,
                        stop=[[i] for i in tokenizer.eos_ids])
@@ -89,7 +92,7 @@ def run(cfg: SampleConfig) -> dict:
       "compilations": sampler.compilations(), "samples": texts,
   }
   out.mkdir(parents=True, exist_ok=True)
-  (out / "sample.json").write_text(json.dumps(report, indent=2))
+  (out / "sample.json").write_text(json_dumps(report, indent=2))
   print(f"model: {model_cfg.family}, {model_cfg.num_layers} layers, hidden {model_cfg.hidden_size}, "
         f"vocab {model_cfg.vocab_size}, from {folder}")
   for i, text in enumerate(texts[:3]):

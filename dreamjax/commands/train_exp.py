@@ -35,7 +35,6 @@ Run: dreamjax train-exp --config configs/train_exp_twx.py[:variant] [--set key=v
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from pathlib import Path
@@ -59,15 +58,16 @@ from dreamjax.experience.sft_data import (
     split_by_task,
 )
 from dreamjax.loop.config import RunConfig, run_mesh
+from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.model import ModelSource, prepare_model, save_model
-from dreamjax.loop.track import Tracker, echo, progress, to_json
+from dreamjax.loop.track import Tracker, echo, json_dumps, progress, to_json
 from dreamjax.parallel import initialize
 from dreamjax.rl.batch import sft_batch
 from dreamjax.rl.logprobs import LogpScorer, score_len_for
 from dreamjax.rl.objectives import make_objective
 from dreamjax.rl.optim import OptimConfig, make_optimizer
 from dreamjax.rl.train_state import create_train_state
-from dreamjax.rl.update import make_train_step
+from dreamjax.rl.update import SkipCounter, make_train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +92,8 @@ class ExpSftConfig(RunConfig):
   retrieval_encoder: str = "minilm"  # "minilm" | "backbone"
   retrieval_exclude: str = "episode"  # what a training example's neighbours never share with it: "episode" | "task"
   log_every: int = 10
+  # Updates skipped in a row for a non-finite loss or gradient (the step keeps the old weights) before the run stops.
+  max_nonfinite_updates: int = 3
   out_dir: str = "runs/exp_sft/twx"
 
   def __post_init__(self):
@@ -99,7 +101,7 @@ class ExpSftConfig(RunConfig):
       raise ValueError(f"ExpSftConfig.retrieval_exclude must be one of {EXCLUDE}, got {self.retrieval_exclude!r}")
     if self.retrieval_encoder not in ENCODERS:
       raise ValueError(f"ExpSftConfig.retrieval_encoder must be one of {ENCODERS}, got {self.retrieval_encoder!r}")
-    for name in ("batch_size", "micro_batches", "max_len", "eval_batch_size"):
+    for name in ("batch_size", "micro_batches", "max_len", "eval_batch_size", "max_nonfinite_updates"):
       if getattr(self, name) < 1:
         raise ValueError(f"ExpSftConfig.{name} must be >= 1, got {getattr(self, name)}")
     if self.steps < 0 or self.epochs < 0 or self.eval_every < 0 or self.max_new_tokens < 0:
@@ -154,7 +156,7 @@ def run(cfg: ExpSftConfig) -> dict[str, Any]:
   initialize(cfg.distributed)  # before anything touches devices: after it, jax.devices() spans every process
   t0 = time.perf_counter()
   out = Path(cfg.out_dir)  # the tracker creates it (on process 0, the one writer)
-  with Tracker(out, to_json(cfg), cfg.track) as tracker:
+  with lock_run_folder(out), Tracker(out, to_json(cfg), cfg.track) as tracker:  # one run per folder
     return _train(cfg, out, tracker, t0)
 
 
@@ -191,6 +193,7 @@ def _train(cfg: ExpSftConfig, out: Path, tracker: Tracker, t0: float) -> dict[st
   score_len = score_len_for([e.loss_mask for e in data.train])  # one compilation per length bucket
   key = jax.random.key(cfg.seed)
   history: list[dict[str, Any]] = []
+  skips = SkipCounter(cfg.max_nonfinite_updates, "M_exp SFT")
   train_tokens = 0
   t_train = time.perf_counter()
   with progress(total, "exp_sft", unit="step", enabled=cfg.track.progress and tracker.primary) as bar:
@@ -200,12 +203,13 @@ def _train(cfg: ExpSftConfig, out: Path, tracker: Tracker, t0: float) -> dict[st
       batch = sft_batch([e.ids for e in examples], [e.loss_mask for e in examples], pad_to=width,
                         row_multiple=cfg.batch_size)
       state, metrics = step_fn(state, batch, jax.random.fold_in(key, step), score_len)
+      skips.add(metrics, f"step {step}")
       train_tokens += int(sum(len(e.ids) for e in examples))
       bar.update()
       # The last step's evaluation is the final one below, over every held-out example.
       evaluate = bool(cfg.eval_every) and step % cfg.eval_every == 0 and step != total
       if step % cfg.log_every == 0 or step == total or evaluate:
-        row = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        row = {k: float(v) for k, v in jax.device_get(metrics).items()} | skips.check()
         row["epoch"] = step * cfg.batch_size / len(data.train)
         row["tokens_per_s"] = train_tokens / (time.perf_counter() - t_train)
         if evaluate and data.held_out:
@@ -213,11 +217,12 @@ def _train(cfg: ExpSftConfig, out: Path, tracker: Tracker, t0: float) -> dict[st
         history.append(tracker.log(step, row))
         echo(f"step {step}/{total}: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(row.items())
                                                    if isinstance(v, float) and k in _SHOWN))
+  skips.check()
   checkpoint = save_model(state.params, model_cfg, init_folder, out / "checkpoint")
   meta = {"format": to_json(cfg.format), "max_len": cfg.max_len, "max_new_tokens": max_new,
           "retrieval_encoder": cfg.retrieval_encoder, "encoder_folder": str(init_folder), "env": records[0].env}
   if tracker.primary:
-    (checkpoint / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+    (checkpoint / META_FILE).write_text(json_dumps(meta, indent=2, sort_keys=True))
   final: dict[str, Any] = {}
   if data.held_out:
     predictor.set_params(state.params)
@@ -228,7 +233,7 @@ def _train(cfg: ExpSftConfig, out: Path, tracker: Tracker, t0: float) -> dict[st
     if tracker.primary:
       with open(out / "held_out_predictions.jsonl", "w", encoding="utf-8") as f:
         for r in res["rows"]:
-          f.write(json.dumps(r, sort_keys=True) + "\n")
+          f.write(json_dumps(r, sort_keys=True) + "\n")
   summary = {
       "checkpoint": str(checkpoint), "steps": total, "examples": len(data.train), "held_out": len(data.held_out),
       "data": data.stats, "held_out_episodes": sorted(r.episode_id for r in data.held_out_records),
@@ -236,6 +241,7 @@ def _train(cfg: ExpSftConfig, out: Path, tracker: Tracker, t0: float) -> dict[st
       "final_train_loss": history[-1].get("loss") if history else None, "held_out_fidelity": final,
       "max_new_tokens": max_new, "seconds": round(time.perf_counter() - t0, 1),
       "train_seconds": round(time.perf_counter() - t_train, 1), "compilations": step_fn.compilations(),
+      "skipped_updates": skips.total,
   }
   summary_path = tracker.summary(summary)
   if final:

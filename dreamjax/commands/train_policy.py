@@ -48,6 +48,7 @@ from dreamjax.data.records import read_trajectory_files
 from dreamjax.envs.base import BatchEnv
 from dreamjax.loop.config import RunConfig, check_settings, run_mesh
 from dreamjax.loop.evaluate import EvalConfig, Evaluator, evaluate_and_log, format_eval, training_tasks
+from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.model import ModelSource, prepare_model, save_model
 from dreamjax.loop.policy_data import RowConfig, TurnRow, policy_texts, sft_rows
 from dreamjax.loop.track import Tracker, echo, progress, to_json
@@ -57,7 +58,7 @@ from dreamjax.rl.logprobs import score_len_for
 from dreamjax.rl.objectives import make_objective
 from dreamjax.rl.optim import OptimConfig, make_optimizer
 from dreamjax.rl.train_state import create_train_state
-from dreamjax.rl.update import make_train_step
+from dreamjax.rl.update import SkipCounter, make_train_step
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
 
@@ -82,10 +83,13 @@ class PolicySftConfig(RunConfig):
   pad_to: int = 0  # row length multiple; 0: the longest row rounded up to 64 (one compilation)
   eval: EvalConfig = EvalConfig()
   log_every: int = 10
+  # Updates skipped in a row for a non-finite loss or gradient (the step keeps the old weights) before the run stops.
+  max_nonfinite_updates: int = 3
   out_dir: str = "runs/policy_sft/twx"
 
   def __post_init__(self):
-    check_settings(self, ("batch_size", "micro_batches", "epochs", "log_every"), ("max_steps", "pad_to", "devices"))
+    check_settings(self, ("batch_size", "micro_batches", "epochs", "log_every", "max_nonfinite_updates"),
+                   ("max_steps", "pad_to", "devices"))
 
 
 def _batches(rows: Sequence[TurnRow], batch_size: int, rng: np.random.Generator) -> list[list[TurnRow]]:
@@ -104,7 +108,7 @@ def run(cfg: PolicySftConfig, env: BatchEnv | None = None) -> dict[str, Any]:
   initialize(cfg.distributed)  # before anything touches devices: after it, jax.devices() spans every process
   t_start = time.perf_counter()
   out = Path(cfg.out_dir)  # the tracker creates it (on process 0, the one writer)
-  with Tracker(out, to_json(cfg), cfg.track) as tracker:
+  with lock_run_folder(out), Tracker(out, to_json(cfg), cfg.track) as tracker:  # one run per folder
     return _train(cfg, env, out, tracker, t_start)
 
 
@@ -134,6 +138,7 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, out: Path, tracker: Track
   state = create_train_state(model_cfg, params, optimizer, mesh)
   del params
   history, evals = [], []
+  skips = SkipCounter(cfg.max_nonfinite_updates, "policy SFT")
   try:
     if cfg.eval.at_start:
       evals.append(evaluate_and_log(evaluator, state.params, key, 0, tracker))
@@ -147,9 +152,10 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, out: Path, tracker: Track
                             row_multiple=cfg.batch_size)
           state, metrics = step_fn(state, batch, jax.random.fold_in(key, step), score_len)
           step += 1
+          skips.add(metrics, f"step {step}")
           bar.update()
           if step % cfg.log_every == 0 or step == total or step == 1:
-            history.append(tracker.log(step, jax.device_get(metrics), epoch=epoch))
+            history.append(tracker.log(step, jax.device_get(metrics) | skips.check(), epoch=epoch))
             echo(f"policy_sft step {step}/{total}: loss {history[-1]['loss']:.4f}")
           if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total:
             evals.append(evaluate_and_log(evaluator, state.params, key, step, tracker))
@@ -162,7 +168,8 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, out: Path, tracker: Track
   summary = {
       "checkpoint": str(checkpoint), "init_model": str(model_dir), "rows": row_stats, "steps": step,
       "epochs": round(step / steps_per_epoch, 3), "row_length": length, "compilations": step_fn.compilations(),
-      "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"], "train_seconds": round(train_s, 3),
+      "skipped_updates": skips.total, "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
+      "train_seconds": round(train_s, 3),
       "eval": evals[-1]["result"], "eval_history": evals, "seconds": round(time.perf_counter() - t_start, 3),
   }
   tracker.summary(summary)

@@ -103,16 +103,18 @@ class CurriculumTasks:
     """int32 [len(tasks)]: the pool slots of tasks (drawn ones, or each episode's)."""
     return np.asarray([self.pool.slot_of(t.task_id) for t in tasks], np.int32)
 
-  def update(self, episode_slots: np.ndarray, returns: np.ndarray, iteration: int) -> dict[str, float]:
+  def update(self, episode_slots: np.ndarray, returns: np.ndarray, iteration: int,
+             valid: np.ndarray | None = None) -> dict[str, float]:
     """Folds the episodes' returns (episode e ran the task in pool slot `episode_slots[e]`) into the statistics, then
     (every generate_every iterations) generates variants. Each drawn task ran G episodes, so means over episodes are
-    means over the draw."""
+    means over the draw. Episodes with `valid` False (the env failed on them) are left out of the statistics."""
     groups = None
     if self.algorithm == "ppo":  # no per-task group: clusters of instructions rank the tasks
       by_slot = clusters.pool_groups(self.pool, self.encode, phase_key(self.root, iteration, PHASE_CLUSTERS),
                                      k=self.c.clusters)
       groups = by_slot[episode_slots]
-    self.pool.state = cstate.update(self.pool.state, episode_slots, returns, np.ones(len(returns), bool),
+    valid = np.ones(len(returns), bool) if valid is None else np.asarray(valid, bool)
+    self.pool.state = cstate.update(self.pool.state, episode_slots, returns, valid,
                                     ema=self.c.ema, groups=groups)
     s = jax.device_get(self.pool.state)
     gen = self.pool.state.is_generated

@@ -34,7 +34,7 @@ import numpy as np
 
 from dreamjax.envs.base import Task
 from dreamjax.parallel.distributed import to_host
-from dreamjax.sampling import Sampler, sampling_params
+from dreamjax.sampling import Sampler, left_pad, sampling_params
 from dreamjax.text import Kind, SegmentBuilder, Tokenizer
 
 SYSTEM_PROMPT = (
@@ -226,11 +226,7 @@ def generate_variants(sampler: Sampler, params, tokenizer: Tokenizer, seeds: Seq
   prompts = [task_prompt(tokenizer, s, k, cfg) for s in seeds]
   batch = int(2 ** np.ceil(np.log2(len(prompts))))
   width = _bucket(max(len(p) for p in prompts), cfg.prompt_buckets)
-  tokens = np.full((batch, width), tokenizer.pad_id, np.int32)
-  mask = np.zeros((batch, width), bool)
-  for i, p in enumerate(prompts):  # left padding, the sampler's native layout
-    tokens[i, width - len(p):], mask[i, width - len(p):] = p, True
-  mask[len(prompts):, -1] = True  # a dead row holds one token so its attention is never empty
+  tokens, mask = left_pad(prompts, batch, width, tokenizer.pad_id)  # rows past the prompts: dummies, no budget
   budget = [sampler.max_new_tokens] * len(prompts) + [0] * (batch - len(prompts))
   sp = sampling_params(batch, budget, cfg.temperature, cfg.top_p, cfg.top_k, stop=[[i] for i in tokenizer.eos_ids])
   keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(np.arange(batch))

@@ -11,9 +11,10 @@ deterministic is the env's business: TWX's coin and twc gold paths are not.)
 
 Episodes are planned up front: policy k with count c runs on tasks 0..c/G of each of the G games, game by game in
 turn, so all policies share tasks and the episode id "<policy>:<task_id>" is unique. The JSONL file is the source of
-truth: a restarted run reads it, skips episodes already there, and goes on. An episode ended by an infrastructure
-failure (a worker crash or hang in the pool) is retried `max_retries` times and otherwise left out, so a later run
-retries it; such failures are counted in the summary, never written as env outcomes.
+truth: a restarted run reads it, skips episodes already there, and goes on. An episode the env failed on
+(dreamjax.envs.base.ENV_ERROR: a JVM or browser that died, a worker crash or hang in the pool, an adapter that
+raised) is retried `max_retries` times and otherwise left out, so a later run retries it; such failures are counted in
+the summary, never written as env outcomes.
 
 Layout under out_dir: trajectories.jsonl, collect_config.json (what the episodes depend on, checked on resume),
 summary.json, and tfds/ (the DreamjaxTrajectories dataset built from the JSONL).
@@ -36,7 +37,7 @@ from tqdm import tqdm
 
 from dreamjax.data.jsonl import JsonlWriter
 from dreamjax.data.records import StepRecord, TrajectoryRecord, iter_trajectories, summarize
-from dreamjax.envs.base import Observation, Task
+from dreamjax.envs.base import ENV_ERROR, Observation, Task, env_failed
 from dreamjax.envs.registry import env_tasks, make_batch_env, parse_env_kwargs
 from dreamjax.envs.web_state import instantiate
 
@@ -126,10 +127,8 @@ def plan_episodes(cfg: CollectConfig, make_tasks: Callable[..., list[Task]] = en
 def _expert_actions(batch, rows: list[int]) -> dict[int, str | None]:
   if not rows:
     return {}
-  if hasattr(batch, "expert_actions"):
-    actions = batch.expert_actions(rows)
-    return {i: actions[i] for i in rows}
-  return {i: getattr(batch.envs[i], "expert_action", lambda: None)() for i in rows}
+  actions = batch.expert_actions(rows)  # SerialBatchEnv and EnvPool both ask each row's env
+  return {i: actions[i] for i in rows}
 
 
 def run_episodes(batch, episodes: Sequence[Episode],
@@ -163,9 +162,9 @@ def run_episodes(batch, episodes: Sequence[Episode],
       if not live[i]:
         continue
       r = results[i]
-      if "error" in r.info:
+      if env_failed(r):
         live[i] = False
-        yield episodes[i], str(r.info["error"])
+        yield episodes[i], str(r.info[ENV_ERROR])
         continue
       steps[i].append(StepRecord(obs[i].state, actions[i], r.observation.state, float(r.reward), bool(r.done),
                                  bool(r.success), bool(r.invalid), tuple(obs[i].admissible), sources[i]))

@@ -27,7 +27,8 @@ from dreamjax.data.jsonl import read_jsonl
 from dreamjax.envs.base import Task
 
 FORMAT = "dreamjax.trajectory.v1"
-SOURCES = ("expert", "random", "fallback", "policy")
+ACTION_SOURCES = ("expert", "random", "fallback", "policy")  # who picked a step's action
+ORIGINS = ("offline", "synthetic", "real_online")  # where a transition came from: offline data, M_exp, a real env
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +140,8 @@ def _parse_step(d: Any, source: str, where: str) -> StepRecord:
       admissible=tuple(_str(a, source, f"{where}.admissible[{j}]") for j, a in enumerate(admissible)),
       source=_str(d["source"], source, f"{where}.source"),
   )
-  if step.source not in SOURCES:
-    raise _fail(source, f"{where}.source", f"expected one of {', '.join(SOURCES)}, got {_show(step.source)}")
+  if step.source not in ACTION_SOURCES:
+    raise _fail(source, f"{where}.source", f"expected one of {', '.join(ACTION_SOURCES)}, got {_show(step.source)}")
   return step
 
 
@@ -243,13 +244,13 @@ def summarize(records: Mapping[str, TrajectoryRecord] | list[TrajectoryRecord]) 
 
 @dataclasses.dataclass(frozen=True)
 class Transition:
-  """One step with its context, the unit the experience model learns: (task, history, s, a) -> (s', r, done)."""
+  """One step with its context, the unit the experience model learns ((task, history, s, a) -> (s', r, done)) and
+  the replay buffer stores and retrieves (without history: a retrieved example is shown as a lone step)."""
 
   episode_id: str
-  step: int  # index in the episode
+  step: int  # index in its episode
   task: Task
   instruction: str
-  history: tuple[tuple[str, str], ...]  # (state, action) of the earlier steps, oldest first
   state: str
   action: str
   next_state: str
@@ -257,13 +258,22 @@ class Transition:
   done: bool
   success: bool
   invalid: bool
+  origin: str = "offline"  # one of ORIGINS
+  policy_version: int = -1  # the policy update count that produced the action; -1 for offline data
+  history: tuple[tuple[str, str], ...] = ()  # (state, action) of the earlier steps shown with it, oldest first
+
+  def __post_init__(self):
+    if self.origin not in ORIGINS:
+      raise ValueError(f"transition {self.episode_id}:{self.step}: origin {self.origin!r} not in {ORIGINS}")
 
 
-def transitions(records: Iterable[TrajectoryRecord], max_history: int | None = None) -> Iterator[Transition]:
-  """Flattens episodes into transitions; `max_history` keeps only the most recent (state, action) pairs."""
+def transitions(records: Iterable[TrajectoryRecord], max_history: int | None = None, origin: str = "offline",
+                policy_version: int = -1) -> Iterator[Transition]:
+  """Flattens episodes into transitions; `max_history` keeps only the most recent (state, action) pairs (0 for none,
+  as the replay buffer stores them)."""
   for r in records:
     pairs = [(s.state, s.action) for s in r.steps]
     for j, s in enumerate(r.steps):
       start = 0 if max_history is None else max(0, j - max_history)
-      yield Transition(r.episode_id, j, r.task, r.instruction, tuple(pairs[start:j]), s.state, s.action,
-                       s.next_state, s.reward, s.done, s.success, s.invalid)
+      yield Transition(r.episode_id, j, r.task, r.instruction, s.state, s.action, s.next_state, s.reward, s.done,
+                       s.success, s.invalid, origin, policy_version, tuple(pairs[start:j]))

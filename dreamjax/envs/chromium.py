@@ -3,9 +3,9 @@
 Playwright's own browser download fails on these machines, and BrowserGym opens a second browser (its chat window)
 through `pw.chromium.launch()` without passing `executable_path`, so the only switch both launches obey is the
 browser folder Playwright looks in: `$PLAYWRIGHT_BROWSERS_PATH/chromium-<revision>/chrome-linux/chrome`. We put a
-small wrapper script there that runs the system Chromium with flags that keep it from reaching the network (without
-them it keeps retrying outside connections and stalls). The revision is read from the installed Playwright, so an
-upgrade of the `playwright` wheel does not silently break the lookup.
+small wrapper script there that runs the system Chromium with flags that keep it off the network (CHROMIUM_FLAGS;
+without them it also keeps retrying outside connections and stalls). The revision is read from the installed
+Playwright, so an upgrade of the `playwright` wheel does not silently break the lookup.
 
 Call `configure_chromium()` before the first BrowserGym reset in a process: Playwright's driver reads the
 environment once, when BrowserGym starts its global instance.
@@ -16,17 +16,33 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shlex
 import shutil
 from pathlib import Path
 
 INSTALL_HINT = "apt-get install -y chromium chromium-driver"
 DEFAULT_CHROMIUM = "/usr/bin/chromium"
-# --no-sandbox: containers here lack user namespaces. The network flags stop update/sync/component pings that stall
-# an offline browser; --disable-dev-shm-usage avoids crashes with a small /dev/shm.
+# --no-sandbox: containers here lack user namespaces; --disable-dev-shm-usage avoids crashes with a small /dev/shm.
+# The network, measured with `strace -f -e trace=connect` over a MiniWoB episode (tests/test_no_network.py): Chromium's
+# background services (clock sync with clients2.google.com, component updates, sign-in's account list on
+# accounts.google.com, optimization-guide models) run despite --disable-background-networking and
+# --disable-component-update, and every host name they look up costs a UDP connect to Google's public DNS address
+# (Chromium's IPv6 reachability probe) and queries to the DNS server. The resolver rule is what stops all of it: it
+# fails every name but localhost before Chromium's resolver (where DNS over HTTPS lives too) sees it. `^NOTFOUND` is
+# the current spelling; the older `~NOTFOUND` is now just an invalid name that reaches the resolver, probe included.
+# The other network switches are cheap belt and braces.
 CHROMIUM_FLAGS = (
-    "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-    "--disable-sync", "--no-first-run", "--disable-dev-shm-usage", "--disable-default-apps",
+    "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run", "--disable-default-apps",
     "--disable-breakpad", "--metrics-recording-only", "--mute-audio",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-pings",
+    "--disable-domain-reliability", "--disable-client-side-phishing-detection",
+    "--host-resolver-rules=MAP * ^NOTFOUND, EXCLUDE localhost, EXCLUDE 127.0.0.1",
+)
+# Features switched off on top of the launchers' (Playwright's, BrowserGym's): the clock sync and the optimization
+# guide's fetches, so they do not even try (measured: both gone; sign-in and the component check still try, and fail
+# at the resolver rule).
+DISABLED_FEATURES = (
+    "NetworkTimeServiceQuerying", "OptimizationHints", "OptimizationHintsFetching", "OptimizationGuideModelDownloading",
 )
 
 
@@ -80,6 +96,26 @@ def _write_atomic(path: Path, text: str, mode: int) -> None:
   os.replace(tmp, path)
 
 
+def wrapper_script(binary: str) -> str:
+  """The shell script Playwright runs as its chrome: the system Chromium with CHROMIUM_FLAGS and DISABLED_FEATURES.
+
+  Chromium obeys only the last --disable-features switch (measured), and Playwright and BrowserGym each pass a list
+  (BrowserGym's used to silently replace Playwright's, MediaRouter and Translate among it), so the script folds every
+  list it is given and ours into one, last on the command line. Arguments are passed on unchanged otherwise. `exec`,
+  so the process Playwright started is Chromium itself and closing the browser leaves no shell behind."""
+  return (
+      "#!/bin/sh\n"
+      f"disabled={shlex.quote(','.join(DISABLED_FEATURES))}\n"
+      "for arg do\n"
+      "  shift\n"
+      "  case $arg in\n"
+      "    --disable-features=*) disabled=\"$disabled,${arg#--disable-features=}\" ;;\n"
+      "    *) set -- \"$@\" \"$arg\" ;;\n"
+      "  esac\n"
+      "done\n"
+      f'exec {shlex.join([binary, *CHROMIUM_FLAGS])} "$@" "--disable-features=$disabled"\n')
+
+
 def configure_chromium(cache_dir: str | os.PathLike | None = None, chromium: str = DEFAULT_CHROMIUM,
                        set_miniwob_url: bool = True) -> ChromiumSetup:
   """Writes the wrapper (idempotent) and sets PLAYWRIGHT_BROWSERS_PATH and, unless already set, MINIWOB_URL."""
@@ -92,8 +128,7 @@ def configure_chromium(cache_dir: str | os.PathLike | None = None, chromium: str
   chrome_dir = root / f"chromium-{revision}" / "chrome-linux"
   chrome_dir.mkdir(parents=True, exist_ok=True)
   wrapper = root / "chromium-wrapper.sh"
-  # exec, so the process Playwright started is Chromium itself and closing the browser leaves no shell behind.
-  script = f'#!/bin/sh\nexec {binary} {" ".join(CHROMIUM_FLAGS)} "$@"\n'
+  script = wrapper_script(binary)
   if not wrapper.is_file() or wrapper.read_text() != script:
     _write_atomic(wrapper, script, 0o755)
   link = chrome_dir / "chrome"

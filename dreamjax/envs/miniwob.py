@@ -6,8 +6,10 @@ to the WebArena-Lite style set (click, fill, select_option, press, hover, scroll
 send_msg_to_user, report_infeasible, noop). Outcome reward: 1.0 on the step where BrowserGym ends the episode with
 a positive reward (for MiniWoB that is "the task's raw reward > 0"), else 0.0. An action that does not parse, names
 an unknown action or fails in the browser (BrowserGym's `last_action_error`, e.g. a missing element id) comes back
-with `invalid=True` and the error in the state; it never raises. `info` keeps the raw accessibility tree text,
-BrowserGym's reward and task info, and the error.
+with `invalid=True` and the error in the state. A browser that died (crashed, killed) is not the agent's doing: `step`
+tears it down and raises `BrowserDied`, which the batch envs turn into an env failure (dreamjax.envs.base.ENV_ERROR),
+and the next reset launches a new browser. `info` keeps the raw accessibility tree text, BrowserGym's reward and task
+info, and the error.
 
 Speed: BrowserGym relaunches two browsers (page and chat) on every reset (about 2 s here). With `reuse_browser`
 (default for MiniWoB) later resets keep the browser, its context and the chat, open a fresh page and run the task's
@@ -38,6 +40,10 @@ from dreamjax.envs.chromium import configure_chromium
 
 SPLIT_SEED_BASE = {"train": 0, "eval": 1_000_000}  # disjoint seed ranges, so eval pages never appear in training
 _MIRRORED_BROWSERGYM = "0.14.3"  # the BrowserEnv.reset that _soft_reset mirrors
+
+
+class BrowserDied(RuntimeError):
+  """The episode's browser crashed or was killed: an env failure, not an invalid action."""
 
 
 def task_names(benchmark: str = "miniwob") -> list[str]:
@@ -148,14 +154,12 @@ class BrowserGymEnv:
       else:
         try:
           obs, env_reward, terminated, truncated, step_info = self._env.step(parsed.text)
-        except Exception as e:  # the browser died: the episode ends as a failure and the next reset relaunches
-          self._teardown()
-          info.update(crashed=f"{type(e).__name__}: {e}", task_id=self._task.task_id)
-          self._done = True
-          last = self._observation()
-          return StepResult(last, 0.0, True, False, True, info)
+        except Exception as e:  # BrowserGym reads the page after every action: this is the browser failing
+          self._browser_died(parsed.text, f"{type(e).__name__}: {e}")
         self._obs = obs
         error = obs.get("last_action_error") or ""
+        if error and not self._browser_alive():
+          self._browser_died(parsed.text, error)
         terminated = bool(terminated or truncated)
         task_info = step_info.get("task_info", {})
     if error:
@@ -276,6 +280,16 @@ class BrowserGymEnv:
     env.start_time = time.time()
     env.last_action, env.last_action_error, env.infeasible_message_received = "", "", False
     return env._get_obs()
+
+  def _browser_alive(self) -> bool:
+    env = self._env
+    return env is not None and env.browser is not None and env.browser.is_connected() and not env.page.is_closed()
+
+  def _browser_died(self, action: str, error: str) -> None:
+    self._teardown()
+    self._done = True
+    raise BrowserDied(f"{self.name}: task {self._task.task_id!r}: the browser failed during {action!r} "
+                      f"({error.splitlines()[0][:200] if error else 'no error text'}); the next reset relaunches it")
 
   def _teardown(self) -> None:
     env, self._env, self._settings = self._env, None, None

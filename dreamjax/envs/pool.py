@@ -7,10 +7,10 @@ need no more than a handful of processes, at the cost of that many env instances
 
 Failures are outcomes, never exceptions: a worker that dies (its JVM or browser crashed, it was killed) or does not
 answer within `step_timeout_s` per row (`reset_timeout_s` for resets, which include building the env) is killed with
-everything it started and restarted, and every live episode it held ends as a failure: `done=True, success=False,
-reward=0.0, info["error"]` saying what happened. An exception raised inside the env ends that row the same way. A row
-whose reset failed gets an empty observation; its failure comes back on the next `step_batch`, whatever action it is
-given. Resets get one retry on a fresh worker when theirs died or hung (no episode was in progress yet). Only
+everything it started and restarted, and every live episode it held ends as an env failure (`env_failure` of
+dreamjax.envs.base: done, reward 0, `info[ENV_ERROR]` saying what happened). An exception raised inside the env ends
+that row the same way. A row whose reset failed gets an empty observation; its failure comes back on the next
+`step_batch`, whatever action it is given. Resets get one retry on a fresh worker when theirs died or hung (no episode was in progress yet). Only
 contract violations by the caller (wrong number of actions, an action for a row already reported done) raise
 ValueError, as in SerialBatchEnv. `expert_actions()` asks each live row's env for `expert_action()`, so collectors
 can run experts through the pool.
@@ -42,7 +42,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dreamjax.envs.base import Observation, StepResult, Task
+from dreamjax.envs.base import Observation, StepResult, Task, env_failure
 
 TAG_VAR = "DREAMJAX_POOL_TAG"
 
@@ -316,7 +316,7 @@ class EnvPool:
     return self._last[i] is not None and self._last[i].done
 
   def _fail(self, i: int, error: str) -> None:
-    self._last[i] = StepResult(self._obs[i], 0.0, True, False, False, {"error": error})
+    self._last[i] = env_failure(self._obs[i], error)
     self._unreported[i] = True
     self.failures += 1
 

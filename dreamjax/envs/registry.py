@@ -34,7 +34,7 @@ def make_batch_env(name: str, env_kwargs: Sequence[str], rows: int, num_workers:
   worker processes (any number of rows; `pool_kw` are EnvPool's timeouts)."""
   kwargs = parse_env_kwargs(env_kwargs)
   if num_workers <= 0:
-    return SerialBatchEnv([make_env(name, **kwargs) for _ in range(rows)])
+    return SerialBatchEnv([make_env(name, **kwargs) for _ in range(rows)], lambda: make_env(name, **kwargs))
   from dreamjax.envs.pool import EnvPool
 
   return EnvPool(name, kwargs, num_workers, **pool_kw)

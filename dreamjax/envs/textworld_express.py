@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import re
 import subprocess
+import tempfile
 from typing import Any
 
 from dreamjax.envs.base import Observation, StepResult, Task, normalize_action
@@ -133,10 +134,42 @@ def state_fields(state: str) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The JVM. TWX's Python wrapper starts it as a py4j gateway on a loopback port with no authentication, so any local
+# user who finds the port can call into the JVM (java.lang.Runtime included) and run code as the training user. py4j
+# can require a secret token from every client (the JVM prints it to the pipe it shares with us, never to a file or a
+# command line), but the wrapper's constructor offers no way to ask for it, so `_twx_with_auth` builds the wrapper
+# itself: the same fields as TWX 1.1.0's constructor, the gateway started with `enable_auth=True`, and no Python
+# callback server (the wrapper starts one, also unauthenticated, though nothing in TWX calls back into Python).
+
+
+def _twx_with_auth(step_limit: int):
+  """A textworld_express.TextWorldExpressEnv whose JVM gateway refuses clients without its token."""
+  from py4j.java_gateway import GatewayParameters, JavaGateway, launch_gateway
+  from textworld_express import TextWorldExpressEnv as Twx
+  from textworld_express.constants import BASEPATH, JAR_PATH
+
+  port, token, proc = launch_gateway(classpath=JAR_PATH, die_on_exit=True, cwd=BASEPATH, javaopts=["-Xverify:none"],
+                                     return_proc=True, enable_auth=True)
+  try:
+    gateway = JavaGateway(gateway_parameters=GatewayParameters(auto_field=True, port=port, auth_token=token),
+                          java_process=proc)
+    server = gateway.jvm.textworldexpress.runtime.PythonInterface()
+  except BaseException:
+    proc.kill()
+    proc.wait()
+    raise
+  # The rest of TWX 1.1.0's constructor: the state its reset/step/close methods read.
+  twx = Twx.__new__(Twx)
+  twx._gateway, twx.server = gateway, server
+  twx.lastStepScore, twx.envStepLimit, twx.runHistory = 0, step_limit, []
+  twx.seed, twx.gameName, twx.gameParams, twx.gameFold, twx.generateGoldPath = None, None, "", "train", False
+  twx._obj_tree_tempfile = tempfile.NamedTemporaryFile()
+  return twx
 
 
 class TextWorldExpressEnv:
-  """One TWX game at a time in its own JVM (started on the first reset, ended by close()).
+  """One TWX game at a time in its own JVM (started on the first reset, ended by close()), whose py4j gateway on
+  loopback requires a token that only this process holds (see `_twx_with_auth`).
 
   Reward is 1.0 on the step where `tasksuccess` turns true, else 0 (TWX's partial score is only reported in `info`).
   The episode ends on success, on TWX's `taskfailure` (e.g. eating or cooking the wrong thing), after `step_limit`
@@ -166,10 +199,8 @@ class TextWorldExpressEnv:
 
   def _server(self):
     if self._twx is None:
-      from textworld_express import TextWorldExpressEnv as Twx
-
       # The wrapper's own step limit would end episodes by its move count; ours counts agent steps instead.
-      self._twx = Twx(envStepLimit=2**31 - 1)
+      self._twx = _twx_with_auth(step_limit=2**31 - 1)
     return self._twx
 
   def _load(self, game: str, params: str, where: str) -> None:

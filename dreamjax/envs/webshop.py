@@ -182,7 +182,7 @@ class WebShopEnv:
     reward, success = outcome(float(score or 0.0), bool(done))
     truncated = not done and self._steps >= self.max_steps
     self._done = bool(done) or truncated or (bool(error) and self.invalid_ends_episode)
-    info = {"action": canonical, "score": float(score or 0.0), "raw_observation": self._obs, "error": error,
+    info = {"action": canonical, "score": float(score or 0.0), "raw_observation": self._obs, "invalid_reason": error,
             "truncated": truncated, "steps": self._steps, "url": self._env.state.get("url")}
     return StepResult(self._observation(error), reward, self._done, success, bool(error), info)
 

@@ -47,7 +47,7 @@ from dreamjax.experience.sft_data import NEXT_STATE, REASONING, REGION_NAMES, Ex
 from dreamjax.models import ModelConfig
 from dreamjax.replay.retriever import Retriever
 from dreamjax.rl.logprobs import LogpScorer
-from dreamjax.sampling import Sampler, sampling_params
+from dreamjax.sampling import Sampler, left_pad, sampling_params
 from dreamjax.text import Tokenizer
 
 MIN_BUCKET = 64
@@ -100,11 +100,7 @@ class Predictor:
       for start in range(0, len(rows), self.batch_size):
         chunk = rows[start:start + self.batch_size]
         padded = chunk + [chunk[-1]] * (self.batch_size - len(chunk))
-        tokens = np.full((self.batch_size, width), self.tokenizer.pad_id, np.int32)
-        mask = np.zeros(tokens.shape, bool)
-        for j, i in enumerate(padded):
-          p = prompts[i]
-          tokens[j, width - len(p):], mask[j, width - len(p):] = p, True
+        tokens, mask = left_pad([prompts[i] for i in padded], self.batch_size, width, self.tokenizer.pad_id)
         keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(np.asarray(padded, np.uint32))
         sp = sampling_params(self.batch_size, self.max_new_tokens, temperature, stop=self.stop)
         res = to_host(self.sampler(self.params, tokens, mask, keys, sp))  # gathers rows sharded over other processes

@@ -47,11 +47,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import numpy as np
 from jaxtyping import Int
 
+from dreamjax.data.records import Transition
+from dreamjax.envs.base import outcome_problem
 from dreamjax.text import Kind, SegmentBuilder, Tokenizer, policy_mask
 
 TAGS = ("think", "next_state", "invalid", "reward", "done", "success")
@@ -78,18 +80,6 @@ class ExpFormatConfig:
     for name in ("max_state_chars", "max_action_chars", "max_tutorial_chars"):
       if getattr(self, name) < 16:
         raise ValueError(f"ExpFormatConfig.{name} must be >= 16, got {getattr(self, name)}")
-
-
-class TransitionLike(Protocol):
-  """What a retrieved example must have: `ReplayTransition` and `dreamjax.data.records.Transition` both do."""
-
-  state: str
-  action: str
-  next_state: str
-  reward: float
-  done: bool
-  success: bool
-  invalid: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +141,7 @@ def _reward_text(reward: float) -> str:
   return "1" if reward == 1.0 else "0"
 
 
-def render_example(cfg: ExpFormatConfig, t: TransitionLike) -> str:
+def render_example(cfg: ExpFormatConfig, t: Transition) -> str:
   """One retrieved transition, compactly: (state, action -> next state, reward, done, success)."""
   return (f"State:\n{clip(t.state, cfg.max_state_chars)}\nAction: {clip(t.action, cfg.max_action_chars)}\n"
           f"Next state:\n{clip(t.next_state, cfg.max_state_chars)}\n"
@@ -160,7 +150,7 @@ def render_example(cfg: ExpFormatConfig, t: TransitionLike) -> str:
 
 
 def render_user(cfg: ExpFormatConfig, instruction: str, history: Sequence[tuple[str, str]],
-                retrieved: Sequence[TransitionLike], state: str, action: str, tutorial: str = "",
+                retrieved: Sequence[Transition], state: str, action: str, tutorial: str = "",
                 step: int | None = None) -> str:
   """The user message. `history` is the episode's (state, action) pairs before this step, oldest first (pass them
   all: the last `max_history` are shown); `step` is the current step's index, by default len(history)."""
@@ -185,7 +175,7 @@ def render_user(cfg: ExpFormatConfig, instruction: str, history: Sequence[tuple[
 
 
 def build_prompt(tokenizer: Tokenizer, cfg: ExpFormatConfig, instruction: str, history: Sequence[tuple[str, str]],
-                 retrieved: Sequence[TransitionLike], state: str, action: str, tutorial: str = "",
+                 retrieved: Sequence[Transition], state: str, action: str, tutorial: str = "",
                  step: int | None = None) -> SegmentBuilder:
   """The prompt as token segments: a system message (the job and the output format), then one user message.
 
@@ -198,21 +188,6 @@ def build_prompt(tokenizer: Tokenizer, cfg: ExpFormatConfig, instruction: str, h
 # --- the target ------------------------------------------------------------------------------------------------------
 
 
-def check_outcome(reward: float, done: bool, success: bool, invalid: bool = False) -> str:
-  """"" when (reward, done, success, invalid) is a consistent binary outcome, else what is wrong with it."""
-  if reward not in (0.0, 1.0):
-    return f"reward {reward!r} is not 0 or 1"
-  if success and not done:
-    return "success is true but done is false"
-  if reward == 1.0 and not success:
-    return "reward is 1 but success is false"
-  if success and reward != 1.0:
-    return "success is true but the reward is 0"
-  if invalid and success:
-    return "invalid is true but success is true"
-  return ""
-
-
 def render_target(cfg: ExpFormatConfig, reasoning: str, next_state: str, reward: float, done: bool,
                   success: bool, invalid: bool = False) -> str:
   """The text M_exp is trained to write; `parse_output` reads it back exactly (tested).
@@ -220,7 +195,7 @@ def render_target(cfg: ExpFormatConfig, reasoning: str, next_state: str, reward:
   Raises ValueError for an outcome that is not a consistent binary one, or for text that holds a format tag (it
   would make the target unparseable).
   """
-  problem = check_outcome(float(reward), bool(done), bool(success), bool(invalid))
+  problem = outcome_problem(float(reward), bool(done), bool(success), bool(invalid))
   if problem:
     raise ValueError(f"render_target: inconsistent outcome: {problem}")
   fields = {"next_state": next_state} | ({"reasoning": reasoning} if cfg.reasoning else {})
@@ -236,18 +211,18 @@ def render_target(cfg: ExpFormatConfig, reasoning: str, next_state: str, reward:
           f"<done>{_flag(done)}</done>\n<success>{_flag(success)}</success>")
 
 
-def transition_target(cfg: ExpFormatConfig, t: TransitionLike, reasoning: str = "") -> str:
-  """The exact target text for a recorded transition (e.g. `dreamjax.data.records.Transition`); a record that cannot
-  be a target is an error naming its episode and step."""
+def transition_target(cfg: ExpFormatConfig, t: Transition, reasoning: str = "") -> str:
+  """The exact target text for a recorded transition; a record that cannot be a target is an error naming its episode
+  and step."""
   try:
     return render_target(cfg, reasoning, t.next_state, t.reward, t.done, t.success, t.invalid)
   except ValueError as e:
-    where = f"episode {getattr(t, 'episode_id', '?')!r}, step {getattr(t, 'step', '?')}"
+    where = f"episode {t.episode_id!r}, step {t.step}"
     raise ValueError(f"{where}: {e}") from None
 
 
 def sft_example(tokenizer: Tokenizer, cfg: ExpFormatConfig, instruction: str, history: Sequence[tuple[str, str]],
-                retrieved: Sequence[TransitionLike], state: str, action: str, target: str, tutorial: str = "",
+                retrieved: Sequence[Transition], state: str, action: str, target: str, tutorial: str = "",
                 step: int | None = None) -> SFTExample:
   """Prompt segments plus `target` as the assistant turn: (ids, kinds, loss mask), all int32 [T]."""
   builder = build_prompt(tokenizer, cfg, instruction, history, retrieved, state, action, tutorial, step)
@@ -255,9 +230,9 @@ def sft_example(tokenizer: Tokenizer, cfg: ExpFormatConfig, instruction: str, hi
   return SFTExample(ids, kinds, policy_mask(kinds))
 
 
-def transition_example(tokenizer: Tokenizer, cfg: ExpFormatConfig, t, retrieved: Sequence[TransitionLike] = (),
+def transition_example(tokenizer: Tokenizer, cfg: ExpFormatConfig, t: Transition, retrieved: Sequence[Transition] = (),
                        reasoning: str = "", tutorial: str = "") -> SFTExample:
-  """The SFT example of a `dreamjax.data.records.Transition` (its history, step index, state, action, outcome)."""
+  """The SFT example of a transition (its history, step index, state, action, outcome)."""
   return sft_example(tokenizer, cfg, t.instruction, t.history, retrieved, t.state, t.action,
                      transition_target(cfg, t, reasoning), tutorial, step=t.step)
 
@@ -335,7 +310,7 @@ def parse_output(text: str, cfg: ExpFormatConfig) -> ExpPrediction:
   success, error = (None, error) if error else _parse_flag(blocks["success"], "success")
   if error:
     return ExpPrediction.failure(error, reasoning)
-  problem = check_outcome(reward, done, success, invalid)
+  problem = outcome_problem(reward, done, success, invalid)
   if problem:
     return ExpPrediction.failure(f"inconsistent outcome: {problem}", reasoning)
   return ExpPrediction(blocks["next_state"], reward, done, success, reasoning, True, "", invalid)

@@ -38,7 +38,6 @@ from dreamjax.data.records import TrajectoryRecord, Transition, transitions
 from dreamjax.experience.annotate import Annotation, check_annotation, rule_annotator, success_references
 from dreamjax.experience.format import (
     ExpFormatConfig,
-    TransitionLike,
     build_prompt,
     render_user,
     system_prompt,
@@ -46,7 +45,6 @@ from dreamjax.experience.format import (
     transition_target,
 )
 from dreamjax.replay.retriever import Retriever
-from dreamjax.replay.transition import ReplayTransition, from_trajectories
 from dreamjax.text import Tokenizer
 
 EXCLUDE = ("task", "episode")  # what a training example's retrieved neighbours must not share with it
@@ -58,7 +56,7 @@ REGION_NAMES = {REASONING: "reasoning", NEXT_STATE: "next_state", OUTCOME: "outc
 @dataclasses.dataclass(frozen=True, eq=False)
 class ExpExample:
   transition: Transition  # its `history` is the full one; `shown_history` says how much of it the prompt shows
-  retrieved: tuple[ReplayTransition, ...]  # as shown (after any trimming)
+  retrieved: tuple[Transition, ...]  # as shown (after any trimming)
   reasoning: str
   tutorial: str
   ids: Int[np.ndarray, " T"]  # prompt then target, int32
@@ -162,7 +160,7 @@ class ExampleBuilder:
     regions[prompt_len:prompt_len + n_think] = REASONING
     return regions
 
-  def fit(self, t: Transition, retrieved: Sequence[ReplayTransition], reasoning: str = "", tutorial: str = "",
+  def fit(self, t: Transition, retrieved: Sequence[Transition], reasoning: str = "", tutorial: str = "",
           stats: dict[str, int] | None = None) -> ExpExample | None:
     """The example of transition `t` with `retrieved` neighbours, shortened to fit; None when it cannot fit."""
     fmt = self.fmt
@@ -190,7 +188,7 @@ class ExampleBuilder:
     return ExpExample(t, tuple(shown), reasoning, tutorial, ex.ids, ex.loss_mask,
                       self._regions(ex.ids, ex.loss_mask, prompt_len, target), prompt_len, len(history))
 
-  def prompt(self, instruction: str, history: Sequence[tuple[str, str]], retrieved: Sequence[TransitionLike],
+  def prompt(self, instruction: str, history: Sequence[tuple[str, str]], retrieved: Sequence[Transition],
              state: str, action: str, step: int, reserve: int, tutorial: str = "") -> np.ndarray:
     """A sampling prompt (open-loop prediction), fitted like an example whose target takes `reserve` tokens."""
     fmt = self.fmt
@@ -208,7 +206,7 @@ class ExampleBuilder:
 
 def retrieve(retriever: Retriever | None, fmt: ExpFormatConfig, states: Sequence[str], actions: Sequence[str],
              exclude_episodes: Sequence[str | None] | None = None,
-             exclude_tasks: Sequence[str | None] | None = None) -> list[list[ReplayTransition]]:
+             exclude_tasks: Sequence[str | None] | None = None) -> list[list[Transition]]:
   """Each row's top-k stored transitions (none when retrieval is off in `fmt`), never from the row's excluded episode
   or task. Task exclusion asks the index for k more than the largest excluded task holds, then filters."""
   if retriever is None or not fmt.retrieval or fmt.k == 0 or not len(retriever):
@@ -262,7 +260,7 @@ def build_sft_data(records: Sequence[TrajectoryRecord], builder: ExampleBuilder,
     raise ValueError("build_sft_data: no training records (every task is held out?)")
   notes = annotations_for(records, annotations)
   if retriever is not None and builder.fmt.retrieval and builder.fmt.k:
-    retriever.add(list(from_trajectories(train_records)))
+    retriever.add(list(transitions(train_records, max_history=0)))
   train_stats: dict[str, int] = {}
   held_stats: dict[str, int] = {}
   train = build_examples(builder, train_records, notes, retriever, train_stats, exclude)

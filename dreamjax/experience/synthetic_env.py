@@ -12,9 +12,10 @@ The rollout engine drives it exactly like a real env: `reset_batch(tasks)` gives
    stepped get a one-token dummy prompt and a budget of 0 tokens. Sampling stops at the chat end-of-turn (or eos);
 4. parsing: the output, decoded without its stop token, goes through `parse_output`, which is total.
 
-Outcomes, never exceptions. A malformed output is the parser's failure outcome (done, reward 0, success False, the
-state `FAILURE_STATE`, invalid False: the agent is not charged for the simulator's failure; `info["error"]` says
-why) and counts in `stats["parse_failures"]`. A prompt that does not fit
+Outcomes, never exceptions. A malformed output is the simulator's failure, reported as every env reports its own
+failures (dreamjax.envs.base: done, reward 0, success and invalid False, `info[ENV_ERROR]` saying why, the state
+`FAILURE_STATE`): the agent is neither charged nor credited, and RL leaves the episode out. It counts in
+`stats["parse_failures"]`. A prompt that does not fit
 the largest bucket first loses history (oldest first), then retrieved examples (last first); if the current state and
 action alone are still too long, the row ends the same way as a malformed output (`stats["overflows"]`). Reset checks
 that every initial state fits, so that path is only reached by long predicted states or actions. An episode that
@@ -35,9 +36,10 @@ Randomness. Each `reset_batch` starts an episode batch whose key is `fold_in(key
 it), and row r of the batch's c-th `step_batch` samples with `fold_in(fold_in(batch key, c), r)`: a run is
 reproducible from the env's key, and a row's draws do not depend on the other rows.
 
-`info` of a stepped row: reasoning, error ("" when the output parsed), output (the decoded text), generated_tokens,
-stopped (ended by the stop token rather than the budget), retrieved ("episode_id:step" of the transitions shown),
-prompt_tokens, step (steps taken in this episode, this one included), truncated.
+`info` of a stepped row: reasoning, output (the decoded text), generated_tokens, stopped (ended by the stop token
+rather than the budget), retrieved ("episode_id:step" of the transitions shown), prompt_tokens, step (steps taken in
+this episode, this one included), truncated, and ENV_ERROR only when the output did not parse or the prompt did not
+fit.
 
 Several processes (a multi-host DreamGym run): every process drives its own SyntheticEnv with the same rows, keys and
 retriever contents, the sampler is one SPMD program over the mesh, and its row-sharded output is gathered whole on
@@ -59,11 +61,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from dreamjax.data.records import TrajectoryRecord
-from dreamjax.envs.base import Observation, StepResult, Task
+from dreamjax.envs.base import ENV_ERROR, Observation, StepResult, Task
 from dreamjax.experience.format import ExpFormatConfig, ExpPrediction, parse_output, render_user, system_prompt
 from dreamjax.models.config import ModelConfig
 from dreamjax.parallel.distributed import to_host
-from dreamjax.sampling import Sampler, sampling_params
+from dreamjax.sampling import Sampler, left_pad, sampling_params
 from dreamjax.text import Kind, SegmentBuilder, Tokenizer
 
 ADMISSIBLE_MODES = ("none", "keep")
@@ -266,13 +268,9 @@ class SyntheticEnv:
     out = None
     if fitting:
       width = next(b for b in self.prompt_buckets if b >= max(len(p) for p in fitting.values()))
-      tokens = np.full((n, width), self.tokenizer.pad_id, np.int32)
-      mask = np.zeros((n, width), bool)
-      mask[:, -1] = True  # rows not sampled get a one-token dummy prompt: no row attends to nothing
+      tokens, mask = left_pad(fitting, n, width, self.tokenizer.pad_id)
       budget = np.zeros(n, np.int32)
-      for i, p in fitting.items():
-        tokens[i, width - len(p):], mask[i, width - len(p):] = p, True
-        budget[i] = self.max_new_tokens
+      budget[list(fitting)] = self.max_new_tokens  # rows not sampled keep their dummy prompt and no budget
       keys = _ROW_KEYS(self._batch_key, call, n)
       sp = self._sp.replace(max_new_tokens=jnp.asarray(budget))
       # to_host: with several processes the rows are sharded over all of them, and every process needs every row
@@ -303,8 +301,10 @@ class SyntheticEnv:
       row.history.append((row.state, action))
       truncated = not pred.done and len(row.history) >= self.max_steps
       stats["truncations"] += truncated
-      info.update(reasoning=pred.reasoning, error=pred.error, output=text, generated_tokens=generated,
-                  stopped=stopped, step=len(row.history), truncated=truncated)
+      info.update(reasoning=pred.reasoning, output=text, generated_tokens=generated, stopped=stopped,
+                  step=len(row.history), truncated=truncated)
+      if not pred.ok:
+        info[ENV_ERROR] = f"experience model: {pred.error}"
       row.state = pred.next_state
       shown = row.admissible if self.admissible == "keep" else ()
       row.last = StepResult(Observation(pred.next_state, row.instruction, shown), pred.reward,

@@ -19,6 +19,19 @@ checkpointer opens the folder. Saves are asynchronous: `save` returns once the a
 the train step may donate them at once; `wait` (also done by `latest_step`, `restore` and `close`) blocks until the
 files are committed.
 
+Unreadable steps. A committed step can still be unreadable: a corrupted file, a folder copied in part, a junk folder
+named like a step with a commit marker in it. `latest_step` returns the newest committed step whose items open (the
+JSON items, the array tree's metadata, orbax's per-process array metadata: cheap reads, no array data); each newer
+step that does not is moved aside to `<step>.unreadable` (which orbax ignores, so it neither collides with a later save
+nor takes one of the `keep` slots) with a `CheckpointWarning` naming the folder and the error's first line. When no
+committed step opens, `latest_step` raises a `CheckpointError` naming the folder and moves nothing. `restore(None)`
+goes further back the same way when the array data itself fails to read; `restore(step)` and `meta(step)` of a named
+step that fails raise a one-line `CheckpointError` naming the step folder and the previous committed step (the RL
+loop resumes from the step `latest_step` chose, so a step whose array data alone is bad stops it with that line; move
+the folder away and rerun). Orbax keeps no checksum of array data: a flipped byte inside a chunk is not always an
+error, it can restore as wrong numbers. A state that went bad in training never reaches the disk: `save` refuses arrays
+holding a NaN or an infinity (naming the leaf), so `keep` rotation never pushes the last good step out for a bad one.
+
 Restoring onto a tree that does not match the checkpoint (other leaves, shapes or dtypes) raises a ValueError naming
 the folder, the step and the first differing paths, rather than orbax's silent dtype casts or deep tracebacks.
 
@@ -33,8 +46,11 @@ every device (process 0's copy is written), and restored back onto the target's 
 
 from __future__ import annotations
 
+import gc
 import json
-from collections.abc import Mapping
+import sys
+import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +59,51 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from dreamjax.parallel import barrier, is_primary
+from dreamjax.rl.train_state import nonfinite_leaves
+
 _COMMIT = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
 _SHOWN = 5  # mismatching paths named in an error
+
+
+class CheckpointError(ValueError):
+  """A committed checkpoint step cannot be read (the message is one line naming the folder)."""
+
+
+class CheckpointWarning(UserWarning):
+  """A committed checkpoint step could not be read and an earlier one is used instead."""
+
+
+class _Unreadable(Exception):
+  def __init__(self, problem: str):
+    super().__init__(problem)
+    self.problem = problem
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+  """`Type: first non-empty line of the message` of the innermost cause (orbax wraps TensorStore's error, which names
+  the file, in one that prints a page of spec), cut to `limit` characters."""
+  while (e.__cause__ or e.__context__) is not None:
+    e = e.__cause__ or e.__context__
+  line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+  line = f"{type(e).__name__}: {line}" if line else type(e).__name__
+  return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def _reading(fn: Callable[[], Any]) -> Any:
+  """`fn()`, any failure turned into `_Unreadable` with its first line. The failure is dropped first and what it held
+  collected with Python's unraisable-exception report muted: orbax's other reads of the step, still pending when the
+  first one failed, each raise again as they are finalised, and would print a page of TensorStore spec apiece."""
+  try:
+    return fn()
+  except Exception as e:  # orbax, TensorStore and JSON errors alike: the step cannot be read
+    problem = _first_line(e)
+  report, sys.unraisablehook = sys.unraisablehook, lambda _: None
+  try:
+    gc.collect()
+  finally:
+    sys.unraisablehook = report
+  raise _Unreadable(problem)
 
 
 def _name(entry: Any) -> str:
@@ -131,6 +190,7 @@ class RunCheckpointer:
     handlers = {"arrays": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
                 "keys": ocp.JsonCheckpointHandler()}
     self._manager = ocp.CheckpointManager(self.folder, options=options, item_handlers=handlers)
+    self._opens: set[int] = set()  # steps `_problem` found readable (a committed step's files do not change)
 
   def steps(self) -> list[int]:
     """Committed steps, oldest first."""
@@ -138,8 +198,53 @@ class RunCheckpointer:
     return sorted(self._manager.all_steps())
 
   def latest_step(self) -> int | None:
+    """The newest committed step that opens (None: no committed step); newer ones that do not are moved aside with a
+    warning; a CheckpointError when there are committed steps and none opens (module docstring)."""
     steps = self.steps()
-    return steps[-1] if steps else None
+    bad: list[tuple[int, str]] = []
+    for step in reversed(steps):
+      problem = self._problem(step)
+      if problem is None:
+        for s, p in bad:
+          self._set_aside(s, p, step)
+        return step
+      bad.append((step, problem))
+    if bad:
+      raise CheckpointError(f"RunCheckpointer: no committed checkpoint in {self.folder} can be read (" +
+                            "; ".join(f"step {s}: {p}" for s, p in bad) + "); move the folder away to start afresh")
+    return None
+
+  def _problem(self, step: int) -> str | None:
+    """None when `step`'s items open (JSON items, array tree metadata, per-process array metadata), else why not."""
+    if step in self._opens:
+      return None
+    try:
+      items = _reading(lambda: self._manager.item_metadata(step))
+      if items.get("arrays") is None:
+        return "it has no arrays item"
+      _reading(lambda: self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(),
+                                                                            keys=ocp.args.JsonRestore())))
+      for f in sorted((self.folder / str(step) / "arrays" / "array_metadatas").glob("*")):
+        _reading(lambda f=f: json.loads(f.read_text()))
+    except _Unreadable as e:
+      return e.problem
+    self._opens.add(step)
+    return None
+
+  def _set_aside(self, step: int, problem: str, fallback: int) -> None:
+    """Moves an unreadable committed step out of orbax's sight (process 0; every process meets the barrier)."""
+    target = self.folder / f"{step}.unreadable"
+    for n in range(1, 1000):
+      if not target.exists():
+        break
+      target = self.folder / f"{step}.unreadable-{n}"
+    warnings.warn(f"RunCheckpointer: cannot read checkpoint {self.folder / str(step)} ({problem}); moved it to "
+                  f"{target.name} and using step {fallback}", CheckpointWarning, stacklevel=2)
+    self._opens.discard(step)
+    if is_primary():
+      (self.folder / str(step)).rename(target)
+    barrier(f"checkpoint_set_aside_{step}")
+    self._manager.reload()
 
   def save(self, step: int, arrays: Any, meta: Mapping[str, Any] | None = None) -> None:
     """Starts saving `arrays` and `meta` as `step` (a new step; the oldest beyond `keep` are deleted once it commits)."""
@@ -150,6 +255,12 @@ class RunCheckpointer:
       raise ValueError(f"RunCheckpointer.save (step {step} in {self.folder}): meta is not JSON: {e}") from None
     if step in self.steps():
       raise ValueError(f"RunCheckpointer.save: step {step} is already committed in {self.folder}")
+    # A non-finite state saved here would rotate the last good step out (`keep`), and resuming would restore NaNs.
+    bad = nonfinite_leaves(arrays)
+    if bad:
+      raise ValueError(f"RunCheckpointer.save (step {step} in {self.folder}): refusing to save non-finite values: "
+                       f"{bad[0]!r} holds NaN or infinity" + (f" (and {len(bad) - 1} more leaves)" if len(bad) > 1
+                                                              else ""))
     flat, _ = jax.tree_util.tree_flatten_with_path(arrays)
     other = next((_path(p) for p, x in flat if not isinstance(x, jax.Array | np.ndarray | np.generic)), None)
     if other is not None:
@@ -165,16 +276,44 @@ class RunCheckpointer:
     self._manager.wait_until_finished()
 
   def meta(self, step: int | None = None) -> dict[str, Any]:
-    """The JSON document of `step` (None: the latest), without touching the arrays."""
+    """The JSON document of `step` (None: the latest readable), without touching the arrays."""
     step = self._committed(step)
-    return dict(self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"] or {})
+    try:
+      out = _reading(lambda: self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())))
+    except _Unreadable as e:
+      raise self._error(step, e.problem) from None
+    return dict(out["meta"] or {})
 
   def restore(self, step: int | None = None, like: Any = None) -> tuple[Any, dict[str, Any]]:
-    """(arrays, meta) of `step` (None: the latest). `like` is a tree of the saved structure, concrete arrays or
-    ShapeDtypeStructs whose shardings the restored leaves take; None restores the saved tree as nested dicts and
-    lists with the saved shardings (inspection on the same devices)."""
-    step = self._committed(step)
-    keys = self._manager.restore(step, args=ocp.args.Composite(keys=ocp.args.JsonRestore()))["keys"] or {}
+    """(arrays, meta) of `step` (None: the latest readable, going back a step, with a warning, while the arrays fail
+    to read). `like` is a tree of the saved structure, concrete arrays or ShapeDtypeStructs whose shardings the
+    restored leaves take; None restores the saved tree as nested dicts and lists with the saved shardings (inspection
+    on the same devices). A `like` that does not match the checkpoint is a ValueError, never a reason to go back."""
+    if step is not None:
+      step = self._committed(step)
+      try:
+        return self._restore(step, like)
+      except _Unreadable as e:
+        raise self._error(step, e.problem) from None
+    while True:
+      step = self._committed(None)
+      try:
+        return self._restore(step, like)
+      except _Unreadable as e:
+        earlier = [s for s in self.steps() if s < step]
+        if not earlier:
+          raise self._error(step, e.problem) from None
+        self._set_aside(step, e.problem, earlier[-1])
+
+  def _error(self, step: int, problem: str) -> CheckpointError:
+    earlier = [s for s in self.steps() if s < step]
+    hint = (f"; move that folder away to resume from step {earlier[-1]}" if earlier else
+            "; no earlier committed step: move the checkpoints folder away to start afresh")
+    return CheckpointError(f"RunCheckpointer: cannot read checkpoint {self.folder / str(step)} ({problem}){hint}")
+
+  def _restore(self, step: int, like: Any) -> tuple[Any, dict[str, Any]]:
+    keys = _reading(lambda: self._manager.restore(step, args=ocp.args.Composite(keys=ocp.args.JsonRestore())))
+    keys = keys["keys"] or {}
     local: dict[str, Any] = {}  # path -> the process-local sharding a leaf goes back to (several processes only)
     if like is None:
       target = ocp.args.StandardRestore()
@@ -189,7 +328,8 @@ class RunCheckpointer:
         return jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=_everywhere())
 
       target = ocp.args.StandardRestore(jax.tree_util.tree_map_with_path(globalise, abstract))
-    out = self._manager.restore(step, args=ocp.args.Composite(arrays=target, meta=ocp.args.JsonRestore()))
+    out = _reading(lambda: self._manager.restore(step, args=ocp.args.Composite(arrays=target,
+                                                                               meta=ocp.args.JsonRestore())))
 
     def wrap(path, x):
       if _path(path) in local:
@@ -200,11 +340,12 @@ class RunCheckpointer:
     return jax.tree_util.tree_map_with_path(wrap, out["arrays"]), dict(out["meta"] or {})
 
   def _committed(self, step: int | None) -> int:
-    steps = self.steps()
     if step is None:
-      if not steps:
+      latest = self.latest_step()
+      if latest is None:
         raise FileNotFoundError(f"RunCheckpointer: no committed checkpoint in {self.folder}")
-      return steps[-1]
+      return latest
+    steps = self.steps()
     if step not in steps:
       raise FileNotFoundError(f"RunCheckpointer: step {step} is not a committed checkpoint in {self.folder} "
                               f"(committed: {steps})")
@@ -213,7 +354,7 @@ class RunCheckpointer:
   def _check(self, step: int, like: Any, target: Any, keys: Mapping[str, str]) -> None:
     """Raises a ValueError listing how `like` differs from the checkpoint: leaves missing on either side, shapes,
     dtypes, and typed keys (of another implementation, or where the checkpoint has plain data)."""
-    stored = self._manager.item_metadata(step)["arrays"]
+    stored = _reading(lambda: self._manager.item_metadata(step))["arrays"]
     stored = getattr(stored, "tree", stored)
     have = {_path(p): (tuple(m.shape), np.dtype(m.dtype)) for p, m in jax.tree_util.tree_flatten_with_path(stored)[0]}
     want = {_path(p): (tuple(np.shape(t)), np.dtype(t.dtype)) for p, t in jax.tree_util.tree_flatten_with_path(

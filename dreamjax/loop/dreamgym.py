@@ -118,7 +118,7 @@ class DreamGymHook(Hook):
     # Every process must have drawn the same tasks and grounded M_exp on the same neighbours.
     check_same(f"the curriculum draw, M_exp's retrievals and the replay buffer of iteration {iteration + 1}",
                slots, self.synthetic.digest(), np.asarray([len(self.buffer)], np.int64))
-    out = self.curriculum.update(slots, episode_returns(traj, self.invalid_penalty), iteration)
+    out = self.curriculum.update(slots, episode_returns(traj, self.invalid_penalty), iteration, ~traj.env_error)
     s = self.synthetic.stats
     return out | {"replay_size": len(self.buffer), "exp_parse_failures": s["parse_failures"],
                   "exp_overflows": s["overflows"], "exp_truncations": s["truncations"],

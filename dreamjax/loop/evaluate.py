@@ -14,6 +14,8 @@ So `env_steps = turns - parse_failures`, and the invalid-action rate is over env
 is over turns. Parse failures are found from the stored tokens with the engine's own rule (`unparsed_rows`), never
 from the engine's per-run stats, which would include the filler episodes.
 
+Env failures (dreamjax.envs.base.ENV_ERROR) are rerun once, then left out and named (`evaluate`).
+
 Per-game breakdown: the game is the first path component of the task id (TWX "coin[numLocations=2]", ALFWorld task
 types, MiniWoB task names), so it needs no env-specific code.
 
@@ -83,10 +85,34 @@ def rate_with_interval(successes: int, n: int) -> dict[str, float | int]:
           "ci_high": high}
 
 
+_RERUN = 2**31 - 1  # folded into the key of the rerun of episodes the env failed on
+
+
+def _episodes(engine: RolloutEngine, params, env: BatchEnv, tasks: Sequence[Task], key: jax.Array,
+              batch_size: int) -> list[dict[str, Any]]:
+  """One episode per task, in batches of exactly `batch_size` rows; each task's outcome and its turn counts."""
+  out = []
+  for b, first in enumerate(range(0, len(tasks), batch_size)):
+    chunk = list(tasks[first:first + batch_size])
+    n = len(chunk)
+    traj = engine.run(params, env, chunk + [chunk[-1]] * (batch_size - n), jax.random.fold_in(key, b))
+    bad_parse = unparsed_rows(traj, engine.tokenizer)
+    for e in range(n):
+      rows = traj.episode == e
+      out.append({"success": bool(traj.success[e]), "reward": float(traj.episode_reward[e]),
+                  "turns": int(traj.num_turns[e]), "ended": bool(traj.ended[e]), "env_error": bool(traj.env_error[e]),
+                  "unparsed": int((bad_parse & rows).sum()), "invalid": int((traj.invalid & ~bad_parse & rows).sum())})
+  return out
+
+
 def evaluate(engine: RolloutEngine, params, env: BatchEnv, tasks: Sequence[Task], key: jax.Array, *,
              batch_size: int | None = None) -> dict[str, Any]:
   """One episode per task; returns success (with interval), turn and failure statistics, per-game results and the
-  per-task outcomes (task id, success, turns) in task order. `batch_size` defaults to the number of tasks."""
+  per-task outcomes (task id, success, turns) in task order. `batch_size` defaults to the number of tasks.
+
+  An episode the env failed on (dreamjax.envs.base.ENV_ERROR: its process died, it raised) measures nothing: its task
+  is run once more (the batch env rebuilds a failed env), and a task whose rerun fails too is left out of every
+  rate and named in `env_error_tasks`; `env_error_reruns` counts the reruns."""
   if engine.cfg.group_size != 1:
     raise ValueError(f"evaluate: the engine has group_size {engine.cfg.group_size}; evaluation runs one episode per "
                      f"task (build the engine with greedy_rollout(cfg))")
@@ -96,39 +122,41 @@ def evaluate(engine: RolloutEngine, params, env: BatchEnv, tasks: Sequence[Task]
   if batch_size < 1:
     raise ValueError(f"evaluate: batch_size must be >= 1, got {batch_size}")
   start = time.perf_counter()
-  success, reward, turns, unparsed, invalid, ended = [], [], [], [], [], []
-  for b, first in enumerate(range(0, len(tasks), batch_size)):
-    chunk = list(tasks[first:first + batch_size])
-    n = len(chunk)
-    traj = engine.run(params, env, chunk + [chunk[-1]] * (batch_size - n), jax.random.fold_in(key, b))
-    rows = traj.episode < n
-    bad_parse = unparsed_rows(traj, engine.tokenizer)
-    success += traj.success[:n].tolist()
-    reward += traj.episode_reward[:n].tolist()
-    turns += traj.num_turns[:n].tolist()
-    ended += traj.ended[:n].tolist()
-    unparsed.append(int((bad_parse & rows).sum()))
-    invalid.append(int((traj.invalid & ~bad_parse & rows).sum()))
-  total_turns = int(sum(turns))
-  parse_failures, env_invalid = sum(unparsed), sum(invalid)
+  results = _episodes(engine, params, env, tasks, key, batch_size)
+  failed = [i for i, r in enumerate(results) if r["env_error"]]
+  if failed:
+    echo(f"evaluation: the env failed on {len(failed)} of {len(tasks)} episodes; running those tasks once more")
+    again = _episodes(engine, params, env, [tasks[i] for i in failed], jax.random.fold_in(key, _RERUN), batch_size)
+    for i, r in zip(failed, again):
+      results[i] = r
+  kept = [(t, r) for t, r in zip(tasks, results) if not r["env_error"]]
+  lost = [t.task_id for t, r in zip(tasks, results) if r["env_error"]]
+  if lost:
+    echo(f"evaluation: the env failed twice on {len(lost)} tasks, left out of the rates: {', '.join(lost[:5])}"
+         + (" ..." if len(lost) > 5 else ""))
+  n = len(kept)
+  total_turns = sum(r["turns"] for _, r in kept)
+  parse_failures, env_invalid = sum(r["unparsed"] for _, r in kept), sum(r["invalid"] for _, r in kept)
   env_steps = total_turns - parse_failures
   by_game: dict[str, list[bool]] = defaultdict(list)
-  for task, ok in zip(tasks, success):
-    by_game[task_family(task)].append(ok)
+  for task, r in kept:
+    by_game[task_family(task)].append(r["success"])
   return {
-      **rate_with_interval(int(sum(success)), len(tasks)),
-      "mean_reward": float(np.mean(reward)),
-      "mean_turns": total_turns / len(tasks),
+      **rate_with_interval(sum(r["success"] for _, r in kept), n),
+      "mean_reward": float(np.mean([r["reward"] for _, r in kept])) if n else 0.0,
+      "mean_turns": total_turns / n if n else 0.0,
       "turns": total_turns,
       "env_steps": env_steps,
       "parse_failures": parse_failures,
       "env_invalid": env_invalid,
       "parse_failure_rate": parse_failures / total_turns if total_turns else 0.0,
       "invalid_rate": env_invalid / env_steps if env_steps else 0.0,
-      "truncated_rate": 1.0 - float(np.mean(ended)),
+      "truncated_rate": 1.0 - float(np.mean([r["ended"] for _, r in kept])) if n else 0.0,
+      "env_error_reruns": len(failed),
+      "env_error_tasks": lost,
       "temperature": engine.cfg.temperature,
       "per_game": {g: rate_with_interval(int(sum(v)), len(v)) for g, v in sorted(by_game.items())},
-      "outcomes": [[t.task_id, bool(s), int(k)] for t, s, k in zip(tasks, success, turns)],
+      "outcomes": [[t.task_id, r["success"], r["turns"]] for t, r in kept],
       "eval_s": time.perf_counter() - start,
   }
 

@@ -14,6 +14,12 @@ One iteration (`PolicyLearner.iteration`):
 Its metrics include `env_steps`: answers that parsed and were sent to the env (`evaluate.unparsed_rows`; an
 unparseable answer costs no env step). The loop counts them as real or synthetic transitions by the env's kind.
 
+Non-finite updates. An optimizer step whose loss or gradient is not finite (a NaN advantage, an overflow) is skipped
+inside the jitted step (`dreamjax.rl.update`): parameters and optimizer state stay as they were. The iteration's
+metrics count them (`skipped_updates`, and `nonfinite_streak`, the skips in a row so far, carried across iterations
+but not across a resume), its loss metrics are means over the applied steps only (NaN, written as null, when none was
+applied), and `max_nonfinite_updates` skips in a row stop the run with a `NonFiniteUpdateError` naming the iteration.
+
 GRPO groups whose G returns are all equal have zero advantage (`grpo_advantages`); they still carry the KL term. With
 `drop_zero_variance_groups` (DAPO's dynamic-sampling filter) their rows are left out of the update, which saves their
 compute; their fraction is logged either way.
@@ -40,6 +46,7 @@ from dreamjax.envs.registry import env_tasks, parse_env_kwargs
 from dreamjax.loop.config import RunConfig
 from dreamjax.loop.evaluate import evaluate, greedy_rollout, unparsed_rows
 from dreamjax.loop.model import ModelSource, prepare_model
+from dreamjax.loop.track import echo
 from dreamjax.models import ModelConfig, tiny
 from dreamjax.parallel import TRAIN_RULES, check_same
 from dreamjax.rl.batch import TokenBatch, rl_batch
@@ -48,7 +55,7 @@ from dreamjax.rl.logprobs import LogpScorer
 from dreamjax.rl.objectives import Objective, PolicyGradientConfig
 from dreamjax.rl.optim import OptimConfig, make_optimizer
 from dreamjax.rl.train_state import create_train_state
-from dreamjax.rl.update import make_train_step
+from dreamjax.rl.update import SkipCounter, make_train_step
 from dreamjax.rollout.agent import INVALID_ANSWER, AgentFormat, format_answer, user_text
 from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
 from dreamjax.rollout.trajectory import Trajectories
@@ -114,6 +121,8 @@ class RLConfig(RunConfig):
   max_real_transitions: int = 0
   checkpoint_every: int = 10  # iterations between checkpoints (also after the last); 0: only after the last
   keep_checkpoints: int = 3  # the last N checkpoints are kept
+  # Optimizer steps skipped in a row for a non-finite loss or gradient before the run stops with an error.
+  max_nonfinite_updates: int = 3
 
   def __post_init__(self):
     if self.algorithm not in ALGORITHMS:
@@ -127,7 +136,7 @@ class RLConfig(RunConfig):
       raise ValueError(f"RLConfig: rollout.temperature ({self.rollout.temperature}) must be > 0 and equal to "
                        f"objective.temperature ({self.objective.temperature}); set both")
     for name in ("tasks_per_iteration", "rows_per_step", "micro_batches", "epochs", "pad_to", "score_batch",
-                 "iterations"):
+                 "iterations", "max_nonfinite_updates"):
       if getattr(self, name) < 1:
         raise ValueError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)}")
     if min(self.eval_every, self.eval_batch, self.checkpoint_every, self.max_real_transitions) < 0:
@@ -154,13 +163,19 @@ def episode_returns(traj: Trajectories, invalid_penalty: float) -> np.ndarray:
 
 
 def zero_variance_groups(traj: Trajectories, returns: np.ndarray) -> np.ndarray:
-  """bool [num groups]: all episodes of the group have the same return (GRPO gives them zero advantage)."""
+  """bool [num groups]: all episodes of the group have the same return (GRPO gives them zero advantage), counting
+  only episodes the env did not fail on (a group with fewer than two such episodes compares nothing either)."""
   groups = int(traj.group.max()) + 1
+  ok = ~traj.env_error
   hi = np.full(groups, -np.inf)
   lo = np.full(groups, np.inf)
-  np.maximum.at(hi, traj.group, returns)
-  np.minimum.at(lo, traj.group, returns)
-  return hi == lo
+  np.maximum.at(hi, traj.group[ok], returns[ok])
+  np.minimum.at(lo, traj.group[ok], returns[ok])
+  return (hi == lo) | (np.bincount(traj.group[ok], minlength=groups) < 2)
+
+
+def _mean(x: np.ndarray) -> float:
+  return float(x.mean()) if x.size else 0.0
 
 
 def take_rows(batch: TokenBatch, rows: np.ndarray, num_rows: int, pad_to: int) -> TokenBatch:
@@ -177,6 +192,17 @@ def take_rows(batch: TokenBatch, rows: np.ndarray, num_rows: int, pad_to: int) -
     return out[:, :length] if x.ndim == 2 else out
 
   return jax.tree.map(take, batch)
+
+
+def update_metrics(per_step: list[dict[str, float]]) -> dict[str, float]:
+  """An iteration's update metrics from its steps': means (over the applied steps; over all when every step was
+  skipped, so a NaN loss shows), the first step's loss parts, the last loss, the largest gradient norm."""
+  applied = [m for m in per_step if not m.get("skipped")] or per_step
+  out = {k: float(np.mean([m[k] for m in applied])) for k in per_step[0] if k != "skipped"}
+  out.update({f"{k}_first": applied[0][k] for k in ("loss", "kl", "vf_loss") if k in per_step[0]})
+  out.update(update_steps=len(per_step), loss_last=applied[-1]["loss"],
+             grad_norm_max=max(m["grad_norm"] for m in applied))
+  return out
 
 
 def tokenizer_texts(fmt: AgentFormat, env: BatchEnv, tasks: list[Task], rows: int) -> list[str]:
@@ -217,6 +243,7 @@ class PolicyLearner:
     self.value_scorer = LogpScorer(model_cfg, cfg.score_batch, with_values=True, **score) \
         if cfg.algorithm == "ppo" else None
     self.root = jax.random.key(cfg.seed)
+    self.skips = SkipCounter(cfg.max_nonfinite_updates, "RL update")
 
   @property
   def params(self):
@@ -271,13 +298,15 @@ class PolicyLearner:
         mb = take_rows(batch, part, cfg.rows_per_step, cfg.pad_to)
         self.state, metrics = self.step(self.state, mb, jax.random.fold_in(key, len(per_step)))
         per_step.append({k: float(v) for k, v in jax.device_get(metrics).items()})
+        if per_step[-1]["skipped"]:
+          echo(f"iteration {iteration + 1}: update step {len(per_step)} skipped: non-finite loss "
+               f"{per_step[-1]['loss']} or gradient norm {per_step[-1]['grad_norm']}; parameters unchanged")
+        self.skips.add(metrics, f"iteration {iteration + 1}, update step {len(per_step)}")
+        self.skips.check()
     if not per_step:
       return {"update_steps": 0}
-    out = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
-    out.update({f"{k}_first": per_step[0][k] for k in ("loss", "kl", "vf_loss") if k in per_step[0]})
-    out.update(update_steps=len(per_step), loss_last=per_step[-1]["loss"],
-               grad_norm_max=max(m["grad_norm"] for m in per_step))
-    return out
+    return {**update_metrics(per_step), "skipped_updates": int(sum(m["skipped"] for m in per_step)),
+            "nonfinite_streak": self.skips.streak}
 
   def iteration(self, env: BatchEnv, tasks: list[Task], iteration: int) -> tuple[dict[str, Any], Trajectories]:
     """Rolls out G episodes of each task against `env` (real or synthetic), updates; (metrics, the rollout)."""
@@ -291,15 +320,17 @@ class PolicyLearner:
     batch, times = self.build_batch(traj)
     returns = episode_returns(traj, cfg.invalid_penalty)
     flat = zero_variance_groups(traj, returns)
-    keep = np.ones(traj.num_rows, bool)
+    keep = ~traj.env_error[traj.episode]  # rl_batch gives them no loss anyway; this spares their compute
     if cfg.drop_zero_variance_groups and cfg.algorithm == "grpo":
-      keep = ~flat[traj.group[traj.episode]]
+      keep &= ~flat[traj.group[traj.episode]]
     t0 = time.perf_counter()
     metrics = self.update(batch, np.flatnonzero(keep), iteration)
     times["update_s"] = time.perf_counter() - t0
+    ok = ~traj.env_error  # episodes the env failed on measure nothing: rates are over the others
     metrics.update(
-        rollout_success=float(traj.success.mean()), rollout_reward=float(traj.episode_reward.mean()),
-        rollout_return=float(returns.mean()), zero_variance_group_frac=float(flat.mean()),
+        rollout_success=_mean(traj.success[ok]), rollout_reward=_mean(traj.episode_reward[ok]),
+        rollout_return=_mean(returns[ok]), zero_variance_group_frac=float(flat.mean()),
+        env_errors=int(traj.env_error.sum()),
         rows=traj.num_rows, rows_updated=int(keep.sum()), mean_turns=float(traj.num_turns.mean()),
         invalid_rate=float((traj.invalid & ~unparsed).sum() / max(1, (~unparsed).sum())),
         parse_failure_rate=float(unparsed.mean()), truncated_rate=float(1 - traj.ended.mean()),

@@ -1,6 +1,11 @@
 """Where a run's model comes from and where it goes: every model passes through an HF folder, a real checkpoint given
 in the config or a tiny one built for the run (a BPE trained on the run's own text and a random model), so tiny CPU
 runs take the code path a Llama/Qwen checkpoint takes; the trained model is saved as an HF folder again.
+
+A model folder is checked whole before anything is read (`check_model_folder`: config.json, weights, tokenizer.json
+and tokenizer_config.json), and commands that start envs (JVMs, browsers) check theirs first (`ModelSource.check`), so
+a mistyped path is one line naming it rather than a traceback after the envs started. `save_model` refuses weights
+holding a NaN or an infinity, naming the leaf: training skips non-finite updates, so this is the last line of defence.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import jax
 
 from dreamjax.models import ModelConfig, init_params, load_hf_checkpoint, save_hf_checkpoint, tiny
 from dreamjax.parallel import TRAIN_RULES, Rules, barrier, is_primary, to_host
+from dreamjax.rl.train_state import nonfinite_leaves
 from dreamjax.text import Tokenizer, load_tokenizer, train_bpe_tokenizer
+from dreamjax.text.tokenizer import REQUIRED_FILES as TOKENIZER_FILES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,9 +42,30 @@ class ModelSource:
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"ModelSource.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
 
+  def check(self, field: str = "ModelSource.checkpoint") -> None:
+    """A FileNotFoundError naming `field` when `checkpoint` is set but is not a loadable model folder (cheap: call it
+    before starting envs)."""
+    if self.checkpoint:
+      check_model_folder(self.checkpoint, field)
+
   def overrides(self) -> dict[str, Any]:
     """What `load_model` applies over the checkpoint's own config."""
     return {"dtype": self.dtype, "remat": self.remat, "attention_chunk": self.attention_chunk}
+
+
+def check_model_folder(folder: str | Path, what: str = "model folder") -> Path:
+  """`folder` when it holds what `load_model` reads (config.json, *.safetensors or their index, the tokenizer files);
+  else a one-line FileNotFoundError naming `what`, the folder and the missing files."""
+  path = Path(folder)
+  if not path.is_dir():
+    raise FileNotFoundError(f"{what}: {str(path)!r} does not exist or is not a folder")
+  weights = (path / "model.safetensors.index.json").is_file() or any(path.glob("*.safetensors"))
+  missing = [name for name, there in [("config.json", (path / "config.json").is_file()), ("*.safetensors", weights),
+                                      *[(n, (path / n).is_file()) for n in TOKENIZER_FILES]] if not there]
+  if missing:
+    raise FileNotFoundError(f"{what}: {str(path)!r} has no {', '.join(missing)} (a model folder holds config.json, "
+                            f"*.safetensors, {' and '.join(TOKENIZER_FILES)})")
+  return path
 
 
 def build_tiny_checkpoint(source: ModelSource, texts: Iterable[str], folder: Path, seed: int) -> Path:
@@ -57,6 +85,7 @@ def prepare_model(source: ModelSource, init_folder: str | Path, texts: Callable[
   `source.tiny`'s shape with a tokenizer trained on `texts()`, built in `init_folder` when it holds none yet (or
   always, with `rebuild`) and reused by reruns in the same folder. Process 0 alone builds; every process meets the
   barrier, then loads the folder (it must be on a filesystem every process sees)."""
+  source.check()
   folder = Path(source.checkpoint or init_folder)
   if not source.checkpoint:
     if is_primary() and (rebuild or not (folder / "config.json").is_file()):
@@ -72,6 +101,7 @@ def load_model(folder: str | Path, *, value_head: bool = False, mesh=None, rules
                seed: int = 0, overrides: Mapping[str, Any] | None = None) -> tuple[ModelConfig, Any, Tokenizer]:
   """(config, params, tokenizer) from an HF folder; a value head is added zero-initialised when asked and absent.
   `overrides` (ModelConfig fields, e.g. `ModelSource.overrides()`) replace the checkpoint config's."""
+  check_model_folder(folder)  # the tokenizer too, before the weights are read
   cfg, params = load_hf_checkpoint(folder, mesh=mesh, rules=rules, **(overrides or {}))
   if value_head and not cfg.value_head:
     cfg = cfg.replace(value_head=True)
@@ -84,6 +114,10 @@ def save_model(params: Any, cfg: ModelConfig, tokenizer_folder: str | Path, fold
   """Saves a trained model as an HF folder: gathered on every process (a collective every process must call),
   written by process 0 alone."""
   folder = Path(folder)
+  bad = nonfinite_leaves(params)  # every process: a collective, like the gather below
+  if bad:
+    raise ValueError(f"save_model ({folder}): refusing to export non-finite weights: {bad[0]!r} holds NaN or infinity"
+                     + (f" (and {len(bad) - 1} more leaves)" if len(bad) > 1 else ""))
   params = to_host(params)
   if is_primary():
     save_hf_checkpoint(params, cfg, folder, tokenizer_folder=tokenizer_folder)

@@ -7,6 +7,8 @@
   are skipped and non-finite values are left out of their line.
 - `success_bars`: held-out success per method as bars with their interval, each labelled with the real transitions
   it spent online.
+- `fidelity_plot`: experience models side by side: one-step metrics as grouped bars, open-loop exact match by step as
+  lines.
 
 Figures are built as `Figure` objects without pyplot, so nothing needs a display and no figure outlives its call.
 Each call runs under fixed rcParams (the SVG id salt, text kept as text) and writes no date, so rerunning a run
@@ -122,4 +124,30 @@ def success_bars(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     ax.set_xticks(xs, [f"{r['method']}\n{r['real_transitions']} online real" for r in rows], fontsize=8)
   ax.set(ylim=(0, 1.03), ylabel="held-out success")
   ax.grid(axis="y", alpha=0.3)
+  return _save(fig, path)
+
+
+@mpl.rc_context(_RC)
+def fidelity_plot(one_step: Mapping[str, Mapping[str, Any]], open_loop: Mapping[str, Sequence[float | None]],
+                  keys: Sequence[tuple[str, str]], path: str | Path) -> Path:
+  """Experience models compared: `one_step[model][key]` as bars grouped by metric (`keys` are (key, label) pairs;
+  a missing value draws no bar), and `open_loop[model]` (exact match at step 1, 2, ...; None where no episode got
+  that far) as a line per model."""
+  fig = Figure(figsize=(9.6, 3.6), layout="constrained")
+  bars, lines = fig.subplots(1, 2)
+  width = 0.8 / max(1, len(one_step))
+  for i, (name, metrics) in enumerate(one_step.items()):
+    values = [metrics.get(k) if _finite(metrics.get(k)) else np.nan for k, _ in keys]
+    bars.bar(np.arange(len(keys)) + (i - (len(one_step) - 1) / 2) * width, values, width=width,
+             color=COLOURS[i % len(COLOURS)], label=name)
+  bars.set_xticks(np.arange(len(keys)), [label for _, label in keys], fontsize=8)
+  bars.set(ylim=(0, 1.03), title="one step, teacher-forced (held-out tasks)")
+  for i, (name, by_step) in enumerate(open_loop.items()):
+    pts = [(h + 1, v) for h, v in enumerate(by_step) if _finite(v)]
+    if pts:
+      lines.plot(*zip(*pts), color=COLOURS[i % len(COLOURS)], lw=1.8, marker="o", ms=3, label=name)
+  lines.set(ylim=(-0.03, 1.03), xlabel="steps since the real first state", title="open loop along recorded actions: EM")
+  for ax in (bars, lines):
+    ax.grid(alpha=0.3)
+  fig.legend(*bars.get_legend_handles_labels(), loc="outside lower center", ncols=len(one_step), frameon=False)
   return _save(fig, path)

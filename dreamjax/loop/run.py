@@ -21,13 +21,16 @@ latest committed checkpoint: rows logged after it are dropped from metrics.jsonl
 draw depends only on (seed, iteration, phase), the resumed run ends with the same parameters, bit for bit, and the
 same files, timings aside, as a run that was never interrupted. W&B continues the same run id.
 
+One run per folder: `Run` takes the folder's lock (`dreamjax.loop.lock`) before anything in it is opened or written
+and holds it until `close`, so the same command started twice refuses the second run with the holder's pid and host.
+
 Several processes: every process runs this same host program; process 0 alone writes the run folder's files
-(checkpoints are written by every process through orbax), so `out_dir` must be a filesystem every process sees.
+(checkpoints are written by every process through orbax), so `out_dir` must be a filesystem every process sees;
+process 0 alone holds the lock.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Sequence
@@ -37,9 +40,10 @@ from typing import Any, Protocol
 from dreamjax.envs.base import BatchEnv, Task
 from dreamjax.loop.checkpoint import RunCheckpointer
 from dreamjax.loop.learner import PolicyLearner, RLConfig
+from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.model import save_model
 from dreamjax.loop.plots import learning_curve
-from dreamjax.loop.track import Tracker, echo, progress, to_json, truncate_jsonl
+from dreamjax.loop.track import Tracker, echo, json_dumps, progress, to_json, truncate_jsonl
 from dreamjax.rollout.trajectory import Trajectories
 
 # Training curves drawn into metrics.svg (those a run logs; PPO adds vf_loss, GRPO kl).
@@ -89,16 +93,29 @@ class Run:
 
   def __init__(self, cfg: RLConfig, config: Any, out_dir: str):
     self.cfg, self.config, self.out = cfg, config, Path(out_dir)
-    self.ckpt = RunCheckpointer(self.out / "checkpoints", keep=cfg.keep_checkpoints)
-    self.resume = self.ckpt.latest_step()
-    if self.resume is not None and self.resume > cfg.iterations:
-      self.ckpt.close()
-      raise ValueError(f"iterations is {cfg.iterations} but {self.out / 'checkpoints'} holds iteration {self.resume}; "
-                       f"raise iterations or use another out_dir")
-    self.meta: dict[str, Any] = self.ckpt.meta(self.resume) if self.resume is not None else {}
+    # Before the checkpointer opens the folder (it removes unfinished steps) and before any file is written: a second
+    # run on this folder is refused here.
+    self.lock = lock_run_folder(self.out)
+    try:
+      self.ckpt = RunCheckpointer(self.out / "checkpoints", keep=cfg.keep_checkpoints)
+    except BaseException:
+      self.lock.release()
+      raise
+    try:
+      self.resume = self.ckpt.latest_step()
+      if self.resume is not None and self.resume > cfg.iterations:
+        raise ValueError(f"iterations is {cfg.iterations} but {self.out / 'checkpoints'} holds iteration "
+                         f"{self.resume}; raise iterations or use another out_dir")
+      self.meta: dict[str, Any] = self.ckpt.meta(self.resume) if self.resume is not None else {}
+    except BaseException:  # an unreadable checkpoints folder, a bad setting: release the folder for the next try
+      self.close()
+      raise
 
   def close(self) -> None:
-    self.ckpt.close()
+    try:
+      self.ckpt.close()  # waits for the last checkpoint to commit, so the lock outlives every write
+    finally:
+      self.lock.release()
 
   def __enter__(self) -> Run:
     return self
@@ -158,7 +175,7 @@ def run_iterations(run: Run, learner: PolicyLearner, tasks: TaskSource, env: Bat
       if "sampled" in result:
         outcomes["sampled_outcomes"] = result["sampled"]["outcomes"]
       with open(evals_path, "a", encoding="utf-8") as f:
-        f.write(json.dumps({**row, **outcomes}, sort_keys=True) + "\n")
+        f.write(json_dumps({**row, **outcomes}, sort_keys=True) + "\n")
       tracker.log(iteration, {"eval": row}, jsonl=False)
       sampled = row.get("sampled")
       echo(f"eval @ iteration {iteration} ({counts[kind]} {kind.replace('_', ' ')}): greedy success "

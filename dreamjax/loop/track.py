@@ -5,8 +5,9 @@
   training curves (`dreamjax.loop.plots`). Nothing else is needed to read a run.
 - W&B backend (`TrackConfig.wandb`): "online" needs an API key and the network; "offline" writes the run under
   `<out_dir>/wandb/offline-run-*` with no network (upload later with `wandb sync`), with wandb's cache, config and
-  data folders under `<out_dir>/wandb` too unless the user set them. Its console capture is off (the loops print
-  their own lines) and it is silent.
+  data folders under `<out_dir>/wandb` too unless the user set them, and its error reporting off (not even a DNS
+  lookup leaves the machine; tests/test_no_network.py). Its console capture is off (the loops print their own lines)
+  and it is silent.
 
 Resuming. A run's id (W&B's, or a local one of the same form when W&B is off) is `Tracker.run_id`; loops store it
 in their checkpoint's meta and pass it back on resume, so W&B continues the same run (resume="allow"). With
@@ -17,6 +18,14 @@ already has. Without `resume_step` the run is fresh and metrics.jsonl starts emp
 In a multi-process run every process runs the loop and holds a Tracker; only process 0 (`primary`) writes files and
 the W&B run, the others' calls return the same rows and write nothing.
 
+Strict JSON. JSON has no NaN or infinity; Python's json module writes them as the bare words `NaN` and `Infinity`,
+which other parsers (jq, JavaScript, strict JSON readers) reject. Every file written here (metrics.jsonl, summary.json,
+config.json, and the JSONL files `truncate_jsonl` rewrites on resume) goes through `json_dumps`, as should any run
+file a loop writes itself (evals.jsonl rows): a non-finite float is written as `null` (pandas reads a null in a
+numeric column as NaN), everything else as it is, with `allow_nan=False` so nothing non-finite slips through.
+`Tracker.log` returns the row with its floats as they were (NaN stays NaN for the caller's own formatting);
+`read_metrics` returns a null as None, and the plots skip it.
+
 `progress` is tqdm, quiet when stderr is not a terminal (logs, CI, tests); `echo` prints a line without breaking a
 bar.
 """
@@ -26,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import secrets
 import string
@@ -57,6 +67,22 @@ def to_json(value: Any) -> Any:
   return value
 
 
+def finite_json(value: Any) -> Any:
+  """`value` (nested dicts, lists, tuples, scalars) with each non-finite float replaced by None."""
+  if isinstance(value, float):
+    return value if math.isfinite(value) else None
+  if isinstance(value, Mapping):
+    return {k: finite_json(v) for k, v in value.items()}
+  if isinstance(value, list | tuple):
+    return [finite_json(v) for v in value]
+  return value
+
+
+def json_dumps(value: Any, **kwargs: Any) -> str:
+  """`json.dumps` for run files: strict JSON, a non-finite float written as null (module docstring)."""
+  return json.dumps(finite_json(value), allow_nan=False, **kwargs)
+
+
 class MetricsLog:
   """Appends one JSON object per call to `metrics.jsonl`; values are converted to Python floats/ints."""
 
@@ -67,7 +93,7 @@ class MetricsLog:
 
   def log(self, step: int, metrics: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
     row = {"step": int(step), "time_s": round(time.time() - self._start, 3), **extra, **plain_values(metrics)}
-    self._file.write(json.dumps(row, sort_keys=True) + "\n")
+    self._file.write(json_dumps(row, sort_keys=True) + "\n")
     self._file.flush()
     return row
 
@@ -85,6 +111,7 @@ def plain_values(metrics: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+  """The rows of a metrics.jsonl (a non-finite value reads as None)."""
   return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
@@ -141,7 +168,7 @@ def truncate_jsonl(path: str | Path, keep: Callable[[dict[str, Any]], bool]) -> 
     if keep(row):
       rows.append(row)
   tmp = path.with_suffix(path.suffix + ".tmp")
-  tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows), encoding="utf-8")
+  tmp.write_text("".join(json_dumps(r, sort_keys=True) + "\n" for r in rows), encoding="utf-8")
   tmp.replace(path)  # atomic: a kill here leaves the old file or the new one, never half of one
   return rows
 
@@ -158,13 +185,19 @@ def _flat_scalars(values: Mapping[str, Any], prefix: str = "") -> dict[str, floa
 
 
 @contextlib.contextmanager
-def _wandb_dirs(root: Path) -> Iterator[None]:
-  """wandb's cache/config/data folders under the run folder while an offline run starts (its service process keeps
-  them), unless the user chose them; restored afterwards so the rest of the process is unaffected."""
-  names = {"WANDB_CACHE_DIR": "cache", "WANDB_CONFIG_DIR": "config", "WANDB_DATA_DIR": "data"}
+def _wandb_offline_env(root: Path) -> Iterator[None]:
+  """The environment an offline W&B run starts in, restored afterwards so the rest of the process is unaffected.
+
+  wandb's cache/config/data folders go under the run folder (its service process keeps them), unless the user chose
+  them. Error reporting is switched off (WANDB_ERROR_REPORTING=false, unless the user set it): with it on, wandb's
+  telemetry recorder, made before `wandb.init` knows the run is offline, probes W&B's server (a DNS lookup of its
+  host, seen under strace; tests/test_no_network.py), and wandb-core starts with its own error reporting. Both read
+  the variable when they start, inside `wandb.init`."""
+  names = {"WANDB_CACHE_DIR": str(root / "cache"), "WANDB_CONFIG_DIR": str(root / "config"),
+           "WANDB_DATA_DIR": str(root / "data"), "WANDB_ERROR_REPORTING": "false"}
   set_here = [n for n in names if n not in os.environ]
   for n in set_here:
-    os.environ[n] = str(root / names[n])
+    os.environ[n] = names[n]
   try:
     yield
   finally:
@@ -184,7 +217,7 @@ class Tracker:
     self._log = self._wandb = None
     if self.primary:
       self.out.mkdir(parents=True, exist_ok=True)
-      (self.out / "config.json").write_text(json.dumps(cfg_json, indent=2, sort_keys=True))
+      (self.out / "config.json").write_text(json_dumps(cfg_json, indent=2, sort_keys=True))
       metrics = self.out / "metrics.jsonl"
       if resume_step is None:
         metrics.write_text("")
@@ -197,7 +230,7 @@ class Tracker:
       root = self.out / "wandb"
       root.mkdir(exist_ok=True)
       settings = wandb.Settings(mode=track_cfg.wandb, silent=True, console="off", x_disable_stats=True)
-      with _wandb_dirs(root) if track_cfg.wandb == "offline" else contextlib.nullcontext():
+      with _wandb_offline_env(root) if track_cfg.wandb == "offline" else contextlib.nullcontext():
         self._wandb = wandb.init(project=track_cfg.project, entity=track_cfg.entity or None,
                                  name=track_cfg.name or self.out.name, tags=list(track_cfg.tags),
                                  config=dict(cfg_json), dir=str(self.out), id=run_id, resume="allow",
@@ -227,7 +260,7 @@ class Tracker:
     """Writes the run's summary to the run folder (whole) and to W&B's run summary (scalars)."""
     path = self.out / filename
     if self.primary:
-      path.write_text(json.dumps(values, indent=1) + "\n")
+      path.write_text(json_dumps(values, indent=1) + "\n")
     if self._wandb is not None:
       self._wandb.summary.update(_flat_scalars(values))
     return path

@@ -1,11 +1,12 @@
-"""The durable replay buffer: ReplayTransitions on disk, seeded from offline data and grown online during RL.
+"""The durable replay buffer: transitions (dreamjax.data.records.Transition) on disk, seeded from offline data and
+grown online during RL.
 
 Folder layout:
   MANIFEST.json          the commit record: format version, records_per_segment, each segment's committed record count
-                         and byte length, counts by source, seed tags. Replaced atomically on every commit.
-  segments/000000.jsonl  one transition per line: ReplayTransition.to_json, keys sorted, led by a "_crc" field (see
-  segments/000001.jsonl  Integrity). A segment rolls over after `records_per_segment` records, so id i is line
-                         i % N + 1 of segment i // N.
+                         and byte length, counts by origin, seed tags. Replaced atomically on every commit.
+  segments/000000.jsonl  one transition per line: its fields as JSON (the task as Task.to_json, no history), keys
+  segments/000001.jsonl  sorted, led by a "_crc" field (see Integrity). A segment rolls over after
+                         `records_per_segment` records, so id i is line i % N + 1 of segment i // N.
   LOCK                   flock held by the one writer process (it holds the writer's pid, for the error message).
 
 Commit protocol. `append(transitions)` streams the batch's lines past the committed end of the last segment (rolling
@@ -34,12 +35,16 @@ Integrity. A line is `{"_crc":"<8 hex digits>",` followed by the record's JSON l
 the CRC-32 of that JSON (the line without its "_crc" field). So a line is still one JSON object with sorted keys, and an
 edit that keeps the length (a reward flipped from 0 to 1, a flag rewritten) is caught: CRC-32 catches every change
 confined to 32 consecutive bits and misses a wider one with probability 2^-32. Every read (`get`, `iter_from`, `verify`)
-checks the checksum, then the fields and the outcome against the env contract (`outcome_problem`: binary rewards, 1 only
-on the step that ends a successful episode); `append` refuses a transition that breaks the contract, which no reader
+checks the checksum, then the fields and the outcome against the env contract (dreamjax.envs.base.outcome_problem:
+binary rewards, 1 only on the step that ends a successful episode); `append` refuses a transition that breaks the contract, which no reader
 would accept. A failure raises ValueError naming the segment file and line. The checksum guards against accidents (disk
 faults, stray edits, tools rewriting a line), not against an editor who recomputes it. Format v1 wrote lines without
-checksums; this version refuses v1 folders rather than serve lines it cannot verify, as accepting them would leave a
-buffer that is only partly checked (a buffer is rebuilt by running in a new output folder, which seeds it again).
+checksums, and v2 called a transition's origin its "source"; this version refuses both rather than serve lines it cannot
+verify or convert silently (a buffer is rebuilt by running in a new output folder, which seeds it again).
+
+A transition's history is not stored: retrieval shows M_exp each example as a lone step, so `append` refuses a
+transition that carries one (flatten episodes with `transitions(records, max_history=0)`, as `seed` does) rather than
+drop it.
 
 Random access. Ids are consecutive integers in commit order. The buffer keeps, per segment, an array of line start
 offsets (8 bytes per transition, rebuilt on open by scanning the committed bytes for newlines: no JSON parsing), and
@@ -51,7 +56,7 @@ Measured on the 2-core CPU dev VM (ext4; shared with other jobs, so the best of 
   append, batches of 2,048:  33k transitions/s (fsync cost 0 to 25%); seeding 200k in one batch: 30k/s
   open (index 200k lines):   0.23 s CPU;  refresh after 2,048 new lines: 2 ms
   get, 256 random ids:       7.3 ms per call, 28 us per transition: pread 1.4 us, json.loads 12 us, field checks and
-                             ReplayTransition construction the rest (Task objects memoised: parsing them cost 10 us)
+                             Transition construction the rest (Task objects memoised: parsing them cost 10 us)
   get with the LRU cache:    0.26 us per hit
   iter_from, sequential:     42k transitions/s
 So retrieval of k = 4 neighbours for 64 queries per turn costs about 7 ms uncached, small next to a sampler step:
@@ -80,12 +85,12 @@ from typing import Any
 import numpy as np
 
 from dreamjax.data.jsonl import dumps
-from dreamjax.data.records import TrajectoryRecord, iter_trajectories
-from dreamjax.envs.base import Task
-from dreamjax.replay.transition import SOURCES, ReplayTransition, from_trajectories, outcome_problem
+from dreamjax.data.records import ORIGINS, TrajectoryRecord, Transition, iter_trajectories, transitions
+from dreamjax.envs.base import Task, outcome_problem
 
-FORMAT = "dreamjax.replay.v2"
-_V1 = "dreamjax.replay.v1"  # lines without checksums: refused (see the module docstring)
+FORMAT = "dreamjax.replay.v3"
+_OLDER = {"dreamjax.replay.v1": "whose lines carry no checksums",  # refused (see the module docstring)
+          "dreamjax.replay.v2": "whose lines name a transition's origin 'source'"}
 MANIFEST = "MANIFEST.json"
 SEGMENTS = "segments"
 LOCK = "LOCK"
@@ -106,7 +111,7 @@ class UncommittedDataWarning(UserWarning):
 @dataclasses.dataclass(frozen=True)
 class BufferStats:
   total: int
-  by_source: dict[str, int]  # every name in SOURCES, zero when absent
+  by_origin: dict[str, int]  # every name in ORIGINS, zero when absent
   segments: int
   bytes: int  # committed segment bytes
   seeds: dict[str, range]  # seed tag -> ids it appended
@@ -142,22 +147,21 @@ def _show(value: Any) -> str:
   return text if len(text) <= 60 else text[:57] + "..."
 
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(ReplayTransition))
-_KEYS = frozenset(_FIELDS)
-_STRINGS = ("episode_id", "instruction", "state", "action", "next_state", "source")
+_KEYS = frozenset(f.name for f in dataclasses.fields(Transition)) - {"history"}
+_STRINGS = ("episode_id", "instruction", "state", "action", "next_state", "origin")
 _BOOLS = ("done", "success", "invalid")
 
 
 def _check_fields(d: Mapping[str, Any], where: str) -> None:
-  """Types of a transition's JSON form (present fields only; from_json reports missing and unknown ones)."""
+  """Types of a transition's JSON form (present fields only; `_decode` reports missing and unknown ones)."""
   def fail(name: str, expected: str) -> ValueError:
     return ValueError(f"{where}: field {name!r}: expected {expected}, got {_show(d[name])}")
 
   for name in _STRINGS:
     if name in d and not isinstance(d[name], str):
       raise fail(name, "a string")
-  if d.get("source", SOURCES[0]) not in SOURCES:
-    raise fail("source", f"one of {', '.join(SOURCES)}")
+  if d.get("origin", ORIGINS[0]) not in ORIGINS:
+    raise fail("origin", f"one of {', '.join(ORIGINS)}")
   for name in _BOOLS:
     if name in d and not isinstance(d[name], bool):
       raise fail(name, "true or false")
@@ -171,7 +175,15 @@ def _check_fields(d: Mapping[str, Any], where: str) -> None:
     raise fail("task", "a task object")
 
 
-def _check_outcome(t: ReplayTransition, where: str) -> None:
+def transition_json(t: Transition) -> dict[str, Any]:
+  """A transition's JSON form in a segment line (before its checksum): every field but the history."""
+  # Shallow on purpose: dataclasses.asdict deep-copies the task and was 3/4 of the append time.
+  d = {name: getattr(t, name) for name in _KEYS}
+  d["task"] = t.task.to_json()
+  return d
+
+
+def _check_outcome(t: Transition, where: str) -> None:
   problem = outcome_problem(t.reward, t.done, t.success, t.invalid)
   if problem:
     raise ValueError(f"{where}: inconsistent outcome: {problem} (rewards are binary outcomes, 1 only on the step "
@@ -179,10 +191,12 @@ def _check_outcome(t: ReplayTransition, where: str) -> None:
 
 
 def _encode(t: Any, where: str) -> bytes:
-  if not isinstance(t, ReplayTransition):
-    raise TypeError(f"{where}: expected a ReplayTransition, got {type(t).__name__}")
+  if not isinstance(t, Transition):
+    raise TypeError(f"{where}: expected a Transition, got {type(t).__name__}")
   where = f"{where} (episode {t.episode_id!r} step {t.step})"
-  d = t.to_json()
+  if t.history:
+    raise ValueError(f"{where}: carries a history, which the buffer does not store (flatten with max_history=0)")
+  d = transition_json(t)
   _check_fields(d, where)
   _check_outcome(t, where)  # a committed line no reader accepts would break every later verify()
   try:
@@ -192,7 +206,7 @@ def _encode(t: Any, where: str) -> bytes:
   return b"%s%08x\",%s\n" % (_CRC_OPEN, zlib.crc32(body), body[1:])
 
 
-def _decode(raw: bytes, where: str, tasks: dict[str, Task]) -> ReplayTransition:
+def _decode(raw: bytes, where: str, tasks: dict[str, Task]) -> Transition:
   """Checks and parses one committed line (without its newline); `tasks` memoises Task objects (an episode's steps
   share one, and parsing it costs as much as the rest of the transition)."""
   if raw[_OPEN] != _CRC_OPEN or raw[_COMMA] != b'",':
@@ -208,20 +222,17 @@ def _decode(raw: bytes, where: str, tasks: dict[str, Task]) -> ReplayTransition:
   except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
     raise ValueError(f"{where}: not valid JSON ({e})") from None
   _check_fields(d, where)  # d is a dict: the body starts with "{"
-  try:
-    if d.keys() == _KEYS:  # the committed form; from_json (3x slower) also handles older forms and names errors
-      key = repr(d["task"])  # keys are sorted on write, so equal tasks have equal text
-      task = tasks.get(key)
-      if task is None:
-        if len(tasks) >= _TASK_MEMO:
-          tasks.clear()
-        task = tasks[key] = Task.from_json(d["task"], source=where)
-      d["task"] = task
-      t = ReplayTransition(**d)
-    else:
-      t = ReplayTransition.from_json(d, where=where)
-  except TypeError as e:
-    raise ValueError(f"{where}: {e}") from None
+  if d.keys() != _KEYS:
+    missing, unknown = sorted(_KEYS - d.keys()), sorted(d.keys() - _KEYS)
+    raise ValueError(f"{where}: field {(missing or unknown)[0]!r}: {'missing' if missing else 'unknown field'}")
+  key = repr(d["task"])  # keys are sorted on write, so equal tasks have equal text
+  task = tasks.get(key)
+  if task is None:
+    if len(tasks) >= _TASK_MEMO:
+      tasks.clear()
+    task = tasks[key] = Task.from_json(d["task"], source=where)
+  d["task"] = task
+  t = Transition(**d)
   _check_outcome(t, where)
   return t
 
@@ -239,7 +250,7 @@ class ReplayBuffer:
     self.read_only = read_only
     self.fsync = fsync
     self.cache_size = cache_size
-    self._cache: OrderedDict[int, ReplayTransition] = OrderedDict()
+    self._cache: OrderedDict[int, Transition] = OrderedDict()
     self._tasks: dict[str, Task] = {}
     self._segments: list[_Segment] = []
     self._lock_fd = -1
@@ -288,7 +299,7 @@ class ReplayBuffer:
                               "to write into it")
       self._seg_dir.mkdir(exist_ok=True)
       self._replace_manifest({"format": FORMAT, "records_per_segment": records_per_segment, "total": 0,
-                              "segments": [], "by_source": dict.fromkeys(SOURCES, 0), "seeds": {}})
+                              "segments": [], "by_origin": dict.fromkeys(ORIGINS, 0), "seeds": {}})
       if self.fsync:
         _fsync_dir(self.folder)
 
@@ -300,8 +311,8 @@ class ReplayBuffer:
       raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(m, dict) or "format" not in m:
       raise ValueError(f"{path}: no 'format' field: not a dreamjax replay buffer manifest")
-    if m["format"] == _V1:
-      raise ValueError(f"{path}: written in format {_V1!r}, whose lines carry no checksums; this dreamjax reads "
+    if m["format"] in _OLDER:
+      raise ValueError(f"{path}: written in format {m['format']!r}, {_OLDER[m['format']]}; this dreamjax reads "
                        f"{FORMAT!r} and refuses it rather than serve transitions it cannot verify (start the run in "
                        "a new output folder, which seeds a new buffer, or use the dreamjax version that wrote it)")
     if m["format"] != FORMAT:
@@ -311,7 +322,7 @@ class ReplayBuffer:
       n, total = m["records_per_segment"], m["total"]
       segs = [(s["records"], s["bytes"]) for s in m["segments"]]
       seeds = [tuple(v) for v in m["seeds"].values()]
-      counts = [m["by_source"][k] for k in SOURCES]
+      counts = [m["by_origin"][k] for k in ORIGINS]
     except (KeyError, TypeError, AttributeError) as e:
       raise ValueError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
     numbers = [n, total, *counts, *(x for pair in segs + seeds for x in pair)]
@@ -319,7 +330,7 @@ class ReplayBuffer:
           and sum(r for r, _ in segs) == total == sum(counts) and all(r == n for r, _ in segs[:-1])
           and all(len(v) == 2 and v[0] + v[1] <= total for v in seeds))
     if not ok:
-      raise ValueError(f"{path}: malformed manifest (segment, source and seed counts must be non-negative integers "
+      raise ValueError(f"{path}: malformed manifest (segment, origin and seed counts must be non-negative integers "
                        "that agree)")
     return m
 
@@ -396,12 +407,12 @@ class ReplayBuffer:
 
   # Appending.
 
-  def append(self, transitions: Iterable[ReplayTransition]) -> range:
+  def append(self, items: Iterable[Transition]) -> range:
     """Writes and commits one batch (streamed, so it may be large); returns the ids it was given."""
-    return self._append(transitions, tag=None)
+    return self._append(items, tag=None)
 
-  def seed(self, records_or_path: str | Path | Iterable[TrajectoryRecord | ReplayTransition], tag: str, *,
-           source: str = "offline", policy_version: int = -1) -> range:
+  def seed(self, records_or_path: str | Path | Iterable[TrajectoryRecord | Transition], tag: str, *,
+           origin: str = "offline", policy_version: int = -1) -> range:
     """Appends offline data once per `tag`: a TrajectoryRecord JSONL file (streamed), records or transitions.
 
     Returns the ids of the seed; with a tag already committed it reads nothing and returns the earlier ids."""
@@ -415,21 +426,21 @@ class ReplayBuffer:
     def flatten():
       for item in items:
         if isinstance(item, TrajectoryRecord):
-          yield from from_trajectories([item], source, policy_version)
+          yield from transitions([item], 0, origin, policy_version)
         else:
           yield item
 
     return self._append(flatten(), tag=tag)
 
-  def _append(self, transitions: Iterable[ReplayTransition], tag: str | None) -> range:
+  def _append(self, items: Iterable[Transition], tag: str | None) -> range:
     if self.read_only:
       raise PermissionError(f"{self.folder}: opened read_only; only the writer appends")
     if self._broken or self._lock_fd < 0:
       raise RuntimeError(f"{self.folder}: the buffer is closed or a failed append could not be rolled back; reopen it")
     first, n_segments = self._total, len(self._segments)
-    counts = dict(self._manifest["by_source"])
+    counts = dict(self._manifest["by_origin"])
     try:
-      n = self._write(transitions, counts)
+      n = self._write(items, counts)
       if n or tag is not None:
         if self.fsync and len(self._segments) > n_segments:
           _fsync_dir(self._seg_dir)
@@ -438,7 +449,7 @@ class ReplayBuffer:
           seeds[tag] = [first, n]
         m = {"format": FORMAT, "records_per_segment": self.records_per_segment, "total": first + n,
              "segments": [{"records": s.records, "bytes": s.nbytes} for s in self._segments],
-             "by_source": counts, "seeds": seeds}
+             "by_origin": counts, "seeds": seeds}
         self._replace_manifest(m)
         self._manifest, self._total = m, first + n
     except BaseException:
@@ -448,10 +459,10 @@ class ReplayBuffer:
       _fsync_dir(self.folder)  # after the commit point: a failure here must not roll back what readers may see
     return range(first, first + n)
 
-  def _write(self, transitions: Iterable[ReplayTransition], counts: dict[str, int]) -> int:
+  def _write(self, items: Iterable[Transition], counts: dict[str, int]) -> int:
     cap, buf, n = self.records_per_segment, bytearray(), 0
     seg = self._segments[-1] if self._segments and self._segments[-1].records < cap else None
-    for k, t in enumerate(transitions):
+    for k, t in enumerate(items):
       line = _encode(t, f"{self.folder}: append item {k}")
       if seg is None or seg.records == cap:
         if seg is not None:
@@ -461,7 +472,7 @@ class ReplayBuffer:
       seg.records += 1
       seg.nbytes += len(line)
       seg.offsets.append(seg.nbytes)
-      counts[t.source] += 1
+      counts[t.origin] += 1
       n += 1
       if len(buf) >= _FLUSH_BYTES:
         self._flush(seg, buf, sync=False)
@@ -526,9 +537,9 @@ class ReplayBuffer:
     dropped = self._total - n
     if not dropped:
       return 0
-    counts = dict(self._manifest["by_source"])
+    counts = dict(self._manifest["by_origin"])
     for t in self.iter_from(n):
-      counts[t.source] -= 1
+      counts[t.origin] -= 1
     cap = self.records_per_segment
     keep = -(-n // cap)
     if self._wfd >= 0:
@@ -543,7 +554,7 @@ class ReplayBuffer:
       last.records = n - (keep - 1) * cap
       last.nbytes = last.offsets[last.records]
       del last.offsets[last.records + 1:]
-    m = {**self._manifest, "total": n, "by_source": counts,
+    m = {**self._manifest, "total": n, "by_origin": counts,
          "segments": [{"records": s.records, "bytes": s.nbytes} for s in self._segments]}
     self._replace_manifest(m)
     self._manifest, self._total = m, n
@@ -565,7 +576,7 @@ class ReplayBuffer:
       seg.fd = os.open(seg.path, os.O_RDONLY)
     return seg.fd
 
-  def get(self, ids: Iterable[int]) -> list[ReplayTransition]:
+  def get(self, ids: Iterable[int]) -> list[Transition]:
     """The transitions with these ids (any order, repeats allowed; NumPy integer arrays work)."""
     out, cap = [], self.records_per_segment
     for i in ids:
@@ -587,14 +598,14 @@ class ReplayBuffer:
       out.append(t)
     return out
 
-  def iter_from(self, start: int = 0, stop: int | None = None) -> Iterator[ReplayTransition]:
+  def iter_from(self, start: int = 0, stop: int | None = None) -> Iterator[Transition]:
     """Transitions start..stop-1 in id order (stop defaults to the length now), read in large sequential blocks."""
     stop = self._total if stop is None else stop
     if not 0 <= start <= stop <= self._total:
       raise IndexError(f"{self.folder}: range {start}..{stop} out of 0..{self._total}")
     return self._iter(start, stop)
 
-  def _iter(self, start: int, stop: int) -> Iterator[ReplayTransition]:
+  def _iter(self, start: int, stop: int) -> Iterator[Transition]:
     cap, i = self.records_per_segment, start
     while i < stop:
       seg, j = self._segments[i // cap], i % cap
@@ -612,7 +623,7 @@ class ReplayBuffer:
 
   def stats(self) -> BufferStats:
     m = self._manifest
-    return BufferStats(self._total, dict(m["by_source"]), len(m["segments"]), sum(s["bytes"] for s in m["segments"]),
+    return BufferStats(self._total, dict(m["by_origin"]), len(m["segments"]), sum(s["bytes"] for s in m["segments"]),
                        {k: range(a, a + c) for k, (a, c) in m["seeds"].items()})
 
   def verify(self) -> int:

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dreamjax.data.records import Transition
 from dreamjax.replay.encoder import Encoder, make_encoder, transition_text
 from dreamjax.replay.index import Index, make_index
-from dreamjax.replay.transition import ReplayTransition
 
 
 class Retriever:
@@ -31,7 +31,7 @@ class Retriever:
       raise ValueError(f"Retriever: index dim {self.index.dim} differs from encoder dim {encoder.dim}")
     if len(self.index):
       raise ValueError("Retriever: the index must start empty (its ids are positions in the retriever's store)")
-    self._items: list[ReplayTransition] = []
+    self._items: list[Transition] = []
     self._episode_ids: dict[str, int] = {}  # episode id -> dense index, for vectorised exclusion
     self._episode_of = np.zeros(1024, np.int64)  # per stored item, its dense episode index
     self._episode_count: list[int] = []
@@ -39,10 +39,10 @@ class Retriever:
   def __len__(self) -> int:
     return len(self._items)
 
-  def __getitem__(self, i: int) -> ReplayTransition:
+  def __getitem__(self, i: int) -> Transition:
     return self._items[i]
 
-  def add(self, transitions: Sequence[ReplayTransition], vectors: np.ndarray | None = None) -> None:
+  def add(self, transitions: Sequence[Transition], vectors: np.ndarray | None = None) -> None:
     """Stores transitions; `vectors` ([N, dim], unit rows), when given, are used instead of encoding them."""
     transitions = list(transitions)
     if not transitions:
@@ -67,13 +67,13 @@ class Retriever:
     self._items.extend(transitions)
 
   def query(self, states: Sequence[str], actions: Sequence[str], k: int,
-            exclude_episodes: Sequence[str | None] | None = None) -> list[list[ReplayTransition]]:
+            exclude_episodes: Sequence[str | None] | None = None) -> list[list[Transition]]:
     """Per row, up to k stored transitions nearest to phi(states[i], actions[i]), best first; fewer only when the
     retriever holds fewer (after excluding the row's `exclude_episodes[i]`, when given and not None)."""
     return [[t for _, t in row] for row in self.query_scored(states, actions, k, exclude_episodes)]
 
   def query_scored(self, states: Sequence[str], actions: Sequence[str], k: int,
-                   exclude_episodes: Sequence[str | None] | None = None) -> list[list[tuple[float, ReplayTransition]]]:
+                   exclude_episodes: Sequence[str | None] | None = None) -> list[list[tuple[float, Transition]]]:
     """As `query`, with each transition's cosine similarity."""
     if len(states) != len(actions):
       raise ValueError(f"Retriever.query: {len(states)} states but {len(actions)} actions")
@@ -83,7 +83,7 @@ class Retriever:
     return self.query_vectors(vectors, k, exclude_episodes)
 
   def query_vectors(self, vectors: np.ndarray, k: int,
-                    exclude_episodes: Sequence[str | None] | None = None) -> list[list[tuple[float, ReplayTransition]]]:
+                    exclude_episodes: Sequence[str | None] | None = None) -> list[list[tuple[float, Transition]]]:
     """As `query_scored`, from already encoded query rows [Q, dim]."""
     if k < 1:
       raise ValueError(f"Retriever.query: k must be >= 1, got {k}")

@@ -8,27 +8,24 @@ rebuilds the index in the chunks it was first built in, so retrieval answers exa
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
 
-from dreamjax.data.records import TrajectoryRecord
+from dreamjax.data.records import TrajectoryRecord, Transition, transitions
 from dreamjax.parallel import barrier, check_same, is_primary
 from dreamjax.replay.buffer import ReplayBuffer
-from dreamjax.replay.transition import from_trajectories
 from dreamjax.rollout.trajectory import Trajectories
 
 
-def write_back_transitions(traj: Trajectories, unparsed: np.ndarray, iteration: int) -> list:
-  """The episodes' steps that reached M_exp (answers that did not parse never did) as synthetic replay transitions."""
+def write_back_transitions(traj: Trajectories, unparsed: np.ndarray, iteration: int) -> list[Transition]:
+  """The episodes' steps M_exp answered, as synthetic replay transitions: not the turns whose answer did not parse
+  (they never reached M_exp), nor the step M_exp failed on (`traj.env_error`: its output did not parse). Each keeps
+  its step index in the episode."""
   skip = {(int(traj.episode[m]), int(traj.turn[m])) for m in np.flatnonzero(unparsed)}
-  out = []
-  for e, record in enumerate(traj.records):
-    steps = tuple(s for t, s in enumerate(record.steps) if (e, t) not in skip)
-    if steps:
-      out += from_trajectories([dataclasses.replace(record, steps=steps)], "synthetic", policy_version=iteration)
-  return out
+  skip |= {(int(e), int(traj.num_turns[e]) - 1) for e in np.flatnonzero(traj.env_error)}
+  return [t for e, record in enumerate(traj.records)
+          for t in transitions([record], 0, "synthetic", policy_version=iteration) if (e, t.step) not in skip]
 
 
 def open_replay(folder: Path, records: list[TrajectoryRecord], marks: list[int] | None, retrieve: bool

@@ -3,6 +3,9 @@
 Optimizer moments are copies of the parameter tree, so they take the parameters' shardings
 (`optax.tree_utils.tree_map_params` finds them inside any optax state); scalars such as Adam's count are replicated.
 The train step's in/out shardings come from `train_state_shardings`, so parameters never move between steps.
+
+`nonfinite_leaves` names the floating-point leaves of any pytree that hold a NaN or an infinity: checkpoints and
+exported models refuse such weights (`dreamjax.loop.checkpoint`, `dreamjax.loop.model.save_model`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Int
@@ -55,3 +59,36 @@ def create_train_state(cfg: ModelConfig, params, optimizer: optax.GradientTransf
   init = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p)),
                  in_shardings=(shardings.params,), out_shardings=shardings)
   return init(params)
+
+
+def _leaf_name(path) -> str:
+  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path) or "<root>"
+
+
+def _is_float(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+@jax.jit
+def _all_finite(leaves: list[jax.Array]) -> list[jax.Array]:
+  # One program for the whole tree (one compilation per tree structure): a reduction per leaf, where it lives.
+  return [jnp.all(jnp.isfinite(x)) for x in leaves]
+
+
+def nonfinite_leaves(tree: Any) -> list[str]:
+  """Paths ("state/params/embed/embedding") of the floating-point leaves of `tree` holding a NaN or an infinity.
+  Device arrays are reduced where they live, one jitted call per set of devices (a collective with several processes:
+  every process must call it); NumPy leaves and arrays local to one of several processes are checked on the host."""
+  flat = [(_leaf_name(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if _is_float(x)]
+  groups: dict[Any, list[int]] = {}
+  host = []
+  for i, (_, x) in enumerate(flat):
+    if isinstance(x, jax.Array) and (jax.process_count() == 1 or not x.sharding.is_fully_addressable):
+      groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
+    else:
+      host.append(i)
+  finite = {i: bool(np.isfinite(np.asarray(flat[i][1])).all()) for i in host}
+  for idx in groups.values():
+    finite |= dict(zip(idx, jax.device_get(_all_finite([flat[i][1] for i in idx]))))
+  return [name for i, (name, _) in enumerate(flat) if not finite[i]]

@@ -15,6 +15,18 @@ Sharding. With a mesh, the state keeps the shardings of `train_state_shardings` 
 moments are updated in place), batch rows are split over the rules' `batch` axes (data, fsdp), and the model's logical
 activation constraints apply under the rules. Rematerialisation inside the model follows `ModelConfig.remat`.
 
+Non-finite updates. A step whose loss or gradient norm is not finite (one NaN advantage, an overflow) is skipped inside
+the jitted step: parameters, optimizer state and `step` come back unchanged, and the metric `skipped` is 1 (else 0).
+The optimizer update runs inside a `lax.cond` on that one flag, the other branch returning the state as it came: a
+finite step is exactly the unguarded one, bit for bit, and a skipped step costs nothing but the gradient already
+computed. A `jnp.where` per leaf would also be exact, but XLA keeps the new and the old state alive together for the
+select: measured on a small model, it adds a third of the parameters' size to the step's temporary memory, the cond
+nothing. `optax.apply_if_finite` would look at the gradient only, change the optimizer state's structure (and so
+every saved checkpoint's tree), and apply the update anyway after `max_consecutive_errors`. The gradient norm is the
+test because a NaN or infinity in any gradient leaf makes it non-finite (and clipping by an infinite norm would zero
+or NaN the step anyway). Loops count skips with `SkipCounter`, which raises `NonFiniteUpdateError` after a configured
+number in a row.
+
 Loss tokens. The loss reads log-probs on the batch's loss tokens only, so only they are projected onto the vocabulary
 (`token_logps(score_mask=...)`); their count per row, rounded up to a power of two (`score_len_for`), is a static
 argument: by default the batch's, so a batch with more loss tokens per row than any before compiles once more; SFT and
@@ -24,6 +36,7 @@ DPO trainers pass their whole data's.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -84,12 +97,19 @@ def _train_step(state: TrainState, batch: TokenBatch, rng: jax.Array, score_len:
   metrics["loss"] = jnp.sum(losses * weights)
   metrics["grad_norm"] = optax.tree.norm(grads)  # before the optimizer's clipping
   metrics["num_loss_tokens"] = jnp.sum(batch.loss_mask)
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
+  finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+
+  def apply(grads):
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    return optax.apply_updates(state.params, updates), opt_state
+
+  # A skipped step keeps the old state (see the module docstring): the update runs only in the finite branch.
+  params, opt_state = jax.lax.cond(finite, apply, lambda _: (state.params, state.opt_state), grads)
+  metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
   lr = current_learning_rate(opt_state)
   if lr is not None:
     metrics["learning_rate"] = jnp.asarray(lr, jnp.float32)
-  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+  return TrainState(step=state.step + finite.astype(state.step.dtype), params=params, opt_state=opt_state), metrics
 
 
 def batch_shardings(mesh: jax.sharding.Mesh, rules: Rules = TRAIN_RULES) -> TokenBatch:
@@ -159,6 +179,43 @@ class TrainStep:
     batch = to_devices(batch, self._batch_shardings)
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
       return self._fn(state, batch, rng, score_len)
+
+
+class NonFiniteUpdateError(RuntimeError):
+  """Raised by `SkipCounter` when too many updates in a row were skipped for a non-finite loss or gradient."""
+
+
+class SkipCounter:
+  """Counts the updates a `TrainStep` skipped (its `skipped` metric) and raises `NonFiniteUpdateError` once `limit`
+  steps in a row were skipped. `add` keeps each step's flag on the device, so a loop that reads metrics only every few
+  steps does not wait for each step; `check` reads the pending flags (in order) and raises. A skipped step leaves the
+  parameters as they were, so a late check loses nothing."""
+
+  def __init__(self, limit: int, what: str):
+    if limit < 1:
+      raise ValueError(f"{what}: max_nonfinite_updates must be >= 1, got {limit}")
+    self.limit, self.what = limit, what
+    self.total = self.streak = 0
+    self._pending: list[tuple[Any, str]] = []
+
+  def add(self, metrics: dict[str, Any], where: str) -> None:
+    """Records one step's metrics; `where` names the step in the error (e.g. "iteration 3, update 2")."""
+    self._pending.append((metrics["skipped"], where))
+
+  def check(self) -> dict[str, int]:
+    """Reads the pending flags; returns {"skipped_updates": total so far, "nonfinite_streak": skips in a row}."""
+    pending, self._pending = self._pending, []
+    for flag, where in pending:
+      if float(flag) > 0:
+        self.total, self.streak = self.total + 1, self.streak + 1
+        if self.streak >= self.limit:
+          raise NonFiniteUpdateError(
+              f"{self.what}: {self.streak} updates in a row had a non-finite loss or gradient (the last at {where}); "
+              f"each was skipped, so the parameters are those from before the first of them; stopping (limit "
+              f"max_nonfinite_updates={self.limit}); look for NaN/inf in rewards, advantages or the learning rate")
+      else:
+        self.streak = 0
+    return {"skipped_updates": self.total, "nonfinite_streak": self.streak}
 
 
 def make_train_step(model_cfg: ModelConfig, objective: Objective, optimizer: optax.GradientTransformation, *,

@@ -40,12 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dreamjax.data.records import StepRecord, TrajectoryRecord
-from dreamjax.envs.base import BatchEnv, Observation, StepResult, Task
+from dreamjax.envs.base import BatchEnv, Observation, StepResult, Task, env_failed
 from dreamjax.models.config import ModelConfig
 from dreamjax.parallel.distributed import to_host
 from dreamjax.rollout.agent import INVALID_ANSWER, AgentFormat, build_turn_prompt, fit_turn_prompt, parse_answer
 from dreamjax.rollout.trajectory import Trajectories
-from dreamjax.sampling import Sampler, sampling_params
+from dreamjax.sampling import Sampler, left_pad, sampling_params
 from dreamjax.text import Kind, SegmentBuilder, Tokenizer
 
 
@@ -97,6 +97,7 @@ class _Episode:
   ended: bool = False  # the env ended the episode
   success: bool = False
   score: float | None = None
+  env_error: bool = False  # the env failed (dreamjax.envs.base.ENV_ERROR) on the last turn
 
 
 def _row_keys(key: jax.Array, turn: jax.Array, rows: int) -> jax.Array:
@@ -149,7 +150,8 @@ class RolloutEngine:
       raise ValueError("RolloutEngine.run: no tasks")
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
       key = jax.random.wrap_key_data(key)
-    stats = dict(sample_s=0.0, env_s=0.0, turns=0, sampled_tokens=0, parse_failures=0, env_invalid=0, buckets=set())
+    stats = dict(sample_s=0.0, env_s=0.0, turns=0, sampled_tokens=0, parse_failures=0, env_invalid=0, env_errors=0,
+                 buckets=set())
     start = time.perf_counter()
     n = len(tasks) * cfg.group_size
     row_tasks = [tasks[r // cfg.group_size] for r in range(n)]
@@ -171,12 +173,9 @@ class RolloutEngine:
       prompts = {r: b.prompt() for r, b in builders.items()}
       width = next(b for b in cfg.prompt_buckets if b >= max(len(p) for p in prompts.values()))
       stats["buckets"].add(width)
-      tokens = np.full((n, width), tok.pad_id, np.int32)
-      mask = np.zeros((n, width), bool)
-      mask[:, -1] = True  # finished rows get a one-token dummy prompt: no row attends to nothing
+      tokens, mask = left_pad(prompts, n, width, tok.pad_id)  # finished rows get dummy prompts
       budget = np.zeros(n, np.int32)
-      for r, p in prompts.items():
-        tokens[r, width - len(p):], mask[r, width - len(p):] = p, True
+      for r in prompts:
         budget[r] = min(cfg.max_action_tokens, cfg.max_episode_tokens - eps[r].used)
 
       t0 = time.perf_counter()
@@ -217,7 +216,9 @@ class RolloutEngine:
             raise RuntimeError(f"RolloutEngine.run: env.step_batch gave no result for stepped row {r} "
                                f"(task {ep.task.task_id!r})")
           reward, done, success, invalid = float(res.reward), bool(res.done), bool(res.success), bool(res.invalid)
+          ep.env_error = env_failed(res)
           stats["env_invalid"] += invalid
+          stats["env_errors"] += ep.env_error
           action, next_obs, next_state = parsed.action, res.observation, res.observation.state
           score = res.info.get("score") if res.info else None
           ep.score = float(score) if isinstance(score, int | float) and not isinstance(score, bool) else ep.score
@@ -277,7 +278,7 @@ class RolloutEngine:
         num_turns=np.asarray([len(ep.turns) for ep in eps], np.int32), turn_rows=turn_rows,
         episode_reward=np.asarray([sum(t.reward for t in ep.turns) for ep in eps], np.float32),
         success=np.asarray([ep.success for ep in eps], bool), ended=np.asarray([ep.ended for ep in eps], bool),
-        records=records,
+        env_error=np.asarray([ep.env_error for ep in eps], bool), records=records,
     )
 
   @staticmethod

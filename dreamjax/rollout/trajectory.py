@@ -10,7 +10,9 @@ Alignment: `rollout_logp[m, t]` is the log-prob of `tokens[m, t]` (a sampled tok
 tokens (Kind.ACTION), including the stop token, and 0 on prompts and padding.
 
 Episode e has turns `turn_rows[e, :num_turns[e]]` (row indices into the turn arrays, -1 after the last). Episodes with
-the same task in one batch share `group[e]` (the GRPO group).
+the same task in one batch share `group[e]` (the GRPO group). `env_error[e]` marks an episode the env ended by failing
+(dreamjax.envs.base: its process died, it raised, M_exp's answer did not parse) on its last turn: it says nothing about
+the policy, and the update, evaluation and write-back leave it out.
 """
 
 from __future__ import annotations
@@ -47,9 +49,10 @@ class Trajectories:
   episode_reward: np.ndarray  # float32 [N]: sum of turn rewards (outcome reward: 1.0 on success)
   success: np.ndarray  # bool [N]
   ended: np.ndarray  # bool [N]: the env ended the episode (False: turn or token budget ran out)
+  env_error: np.ndarray  # bool [N]: the env failed on the episode's last turn (see the module docstring)
   records: tuple[TrajectoryRecord, ...]  # the same episodes as text (for the replay buffer and logs)
   # How the rollout went (RolloutEngine.run: seconds sampling and in the env, turns, sampled tokens, parse failures,
-  # invalid actions, prompt buckets, compilations); empty for batches built by hand.
+  # invalid actions, env errors, prompt buckets, compilations); empty for batches built by hand.
   stats: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   @property

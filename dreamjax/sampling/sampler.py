@@ -8,7 +8,7 @@ RoPE positions are per row, so the padding never shows in the model's output.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import flax.linen as nn
 import flax.struct
@@ -84,6 +84,21 @@ def sampling_params(
 
   return SamplingParams(col(temperature, np.float32), col(top_p, np.float32), col(top_k, np.int32),
                         col(max_new_tokens, np.int32), jnp.asarray(arr))
+
+
+def left_pad(prompts: Mapping[int, Sequence[int]] | Sequence[Sequence[int]], rows: int, width: int, pad_id: int
+             ) -> tuple[np.ndarray, np.ndarray]:
+  """The sampler's prompt layout: (tokens int32, mask bool) [rows, width] with row r's ids (`prompts` maps rows to
+  ids, or lists rows 0..) right-aligned. Rows without a prompt get a one-token dummy, so no row attends to nothing;
+  give them a budget of 0 new tokens. Callers pick `width` from a few buckets, so the sampler compiles once per
+  bucket."""
+  prompts = prompts if isinstance(prompts, Mapping) else dict(enumerate(prompts))
+  tokens = np.full((rows, width), pad_id, np.int32)
+  mask = np.zeros((rows, width), bool)
+  mask[:, -1] = True
+  for r, p in prompts.items():
+    tokens[r, width - len(p):], mask[r, width - len(p):] = p, True
+  return tokens, mask
 
 
 def _left_align(tokens, mask):

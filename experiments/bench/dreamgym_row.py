@@ -53,7 +53,6 @@ from dreamjax.models import load_hf_checkpoint, save_hf_checkpoint
 from dreamjax.replay.encoder import BackbonePooledEncoder
 from dreamjax.replay.index import make_index
 from dreamjax.replay.retriever import Retriever
-from dreamjax.replay.transition import from_trajectories
 from dreamjax.rl.batch import sft_batch
 from dreamjax.rl.objectives import make_objective
 from dreamjax.rl.optim import OptimConfig, make_optimizer
@@ -169,7 +168,7 @@ def bench(base: Path, args, prompts: int, group: int, objective, optim, flops_fn
                 rows_per_step=rows, score_batch=rows, pad_to=64)
   exp_params = jax.tree.map(jnp.copy, params)  # the learner's update donates `params`; M_exp keeps its own
   retriever = Retriever(BackbonePooledEncoder(cfg, exp_params, tok), make_index("exact", cfg.hidden_size))
-  retriever.add(list(from_trajectories(records)))
+  retriever.add(list(transitions(records, max_history=0)))
   synthetic = SyntheticEnv(cfg, exp_params, tok, EXP, retriever, initial_states=initial_states_from(records),
                            max_new_tokens=args.exp_new_tokens, temperature=1.0, prompt_buckets=(args.exp_bucket,),
                            key=jax.random.key(1), max_steps=args.turns)

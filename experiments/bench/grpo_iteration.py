@@ -153,7 +153,8 @@ def single_turn(prompts: np.ndarray, tokens: np.ndarray, logps: np.ndarray, leng
       lengths=(p + lengths).astype(np.int32), prompt_lengths=np.full(n, p, np.int32), episode=rows,
       turn=np.zeros(n, np.int32), reward=reward, done=np.ones(n, bool), invalid=np.zeros(n, bool),
       truncated=np.ones(n, bool), group=rows // GROUP, task_index=rows // GROUP, num_turns=np.ones(n, np.int32),
-      turn_rows=rows[:, None], episode_reward=reward, success=np.zeros(n, bool), ended=np.ones(n, bool), records=())
+      turn_rows=rows[:, None], episode_reward=reward, success=np.zeros(n, bool), ended=np.ones(n, bool),
+      env_error=np.zeros(n, bool), records=())
 
 
 def bench_dreamjax_grpo(folder: Path, args) -> dict:

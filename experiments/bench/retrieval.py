@@ -30,11 +30,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from dreamjax.data.records import Transition  # noqa: E402
 from dreamjax.envs.base import Task  # noqa: E402
 from dreamjax.replay.encoder import MiniLMEncoder, transition_text  # noqa: E402
 from dreamjax.replay.index import ExactIndex, ScannIndex  # noqa: E402
 from dreamjax.replay.retriever import Retriever  # noqa: E402
-from dreamjax.replay.transition import ReplayTransition  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,10 +56,10 @@ def clustered_vectors(n: int, dim: int, clusters: int, spread: float = 1.0, seed
   return x
 
 
-def transitions(n: int, episode_len: int = 20) -> list[ReplayTransition]:
+def transitions(n: int, episode_len: int = 20) -> list[Transition]:
   task = Task.make("alfworld", "bench/0", "put a clean mug on the desk")
-  return [ReplayTransition(f"ep{i // episode_len}", i % episode_len, task, task.instruction, "state", "action",
-                           "next state", 0.0, False, False, False, "offline") for i in range(n)]
+  return [Transition(f"ep{i // episode_len}", i % episode_len, task, task.instruction, "state", "action",
+                     "next state", 0.0, False, False, False) for i in range(n)]
 
 
 def texts(batch: int) -> list[tuple[str, str]]:

@@ -50,7 +50,6 @@ from dreamjax.models import init_params, tiny  # noqa: E402
 from dreamjax.replay.encoder import BackbonePooledEncoder  # noqa: E402
 from dreamjax.replay.index import make_index  # noqa: E402
 from dreamjax.replay.retriever import Retriever  # noqa: E402
-from dreamjax.replay.transition import from_trajectories  # noqa: E402
 from dreamjax.text import train_bpe_tokenizer  # noqa: E402
 from experiments.bench.envs import BENCH_ENVS, drive, missing  # noqa: E402
 
@@ -93,7 +92,7 @@ def bench_synthetic(args, records: list[TrajectoryRecord]) -> dict:
   params = init_params(cfg, jax.random.key(args.seed))
 
   t0 = time.perf_counter()
-  buffer = list(from_trajectories(records))[: args.buffer]
+  buffer = list(transitions(records, max_history=0))[: args.buffer]
   retriever = Retriever(BackbonePooledEncoder(cfg, params, tok), make_index("exact", cfg.hidden_size))
   retriever.add(buffer)
   index_s = time.perf_counter() - t0
