@@ -350,9 +350,8 @@ def _same_metrics(dist: Path, single: Path, rows: int) -> dict:
   return d
 
 
-def _same_params(dist: Path, single: Path, start: Path, outliers: float = 0.0, lr: float = 0.0,
-                 trained: bool = True) -> None:
-  """The two runs' final HF checkpoints agree to float32 rounding, and moved away from `start` exactly when `trained`.
+def _same_params(dist: Path, single: Path, start: Path, outliers: float = 0.0, lr: float = 0.0) -> None:
+  """The two runs' final HF checkpoints agree to float32 rounding, and both moved away from `start`.
 
   `outliers`: the fraction of elements allowed beyond rounding, each still within lr / 10. Adam divides every gradient
   element by its running RMS, so an element whose gradient is near zero (comparable to the rounding of the
@@ -360,7 +359,7 @@ def _same_params(dist: Path, single: Path, start: Path, outliers: float = 0.0, l
   steps of a whole model a handful of such elements is expected."""
   a, b, first = (load_file(d / "model.safetensors") for d in (dist, single, start))
   assert a.keys() == b.keys() == first.keys()
-  assert (max(float(np.abs(b[k] - first[k]).max()) for k in first) > 1e-4) == trained
+  assert max(float(np.abs(b[k] - first[k]).max()) for k in first) > 1e-4  # the run trained
   beyond = total = 0
   for name in b:
     if outliers:
@@ -404,15 +403,10 @@ def test_dreamgym_equals_the_single_process_run(runs, warm_start):
     items = list(x.iter_from(0))
     assert items == list(y.iter_from(0))
   synthetic = [t for t in items if t.origin == "synthetic"]
-  failed = sum(m["env_errors"] for m in read_metrics(out / "metrics.jsonl"))  # M_exp's unparsed steps: not written
-  assert len(synthetic) == d["synthetic_transitions"] - failed and len(items) == d["replay_size"] > len(synthetic)
+  assert len(synthetic) == d["synthetic_transitions"] and len(items) == d["replay_size"] > len(synthetic)
   assert (out / "task_pool.json").read_text() == (single / "task_pool.json").read_text()
   assert len(TaskPool.load(out / "task_pool.json")) >= len({t.task.task_id for t in items if t.origin == "offline"})
-  # This tiny M_exp seldom answers in its format, and the episodes it fails on are left out of the update: the policy
-  # moves exactly when some iteration's update had a loss (the real-env test above covers a moving update).
-  trained = any(m.get("loss", 0.0) != 0.0 for m in read_metrics(single / "metrics.jsonl"))
-  _same_params(out / "final", single / "final", warm_start, outliers=1e-4, lr=dist_config(warm_start, out).optim.lr,
-               trained=trained)
+  _same_params(out / "final", single / "final", warm_start, outliers=1e-4, lr=dist_config(warm_start, out).optim.lr)
 
 
 def test_train_exp_equals_the_single_process_run(runs):

@@ -102,36 +102,31 @@ def test_grpo_in_the_experience_model_keeps_its_books(uninterrupted):
   assert summary["real_transitions"] == 0 and all(e["real_transitions"] == 0 for e in summary["evals"])
   assert summary["synthetic_transitions"] == metrics[-1]["synthetic_transitions"] > 0
   assert [e["iteration"] for e in summary["evals"]] == [0, 1, 2, 3]
-  # Write-back: the buffer holds the offline seed plus exactly the synthetic transitions M_exp answered (a step whose
-  # output did not parse is an env failure, counted in env_errors and not written), tagged with the iteration.
+  # Write-back: the buffer holds the offline seed plus exactly the synthetic transitions, tagged with the iteration.
+  # M_exp's unparseable answers are outcomes, not env failures (SyntheticEnv's docstring says why).
   offline = sum(r.num_steps for r in read_trajectories(cfg.offline_data[0]))
   with ReplayBuffer(out / "replay", read_only=True) as buffer:
     items = list(buffer.iter_from(0))
   synthetic = [t for t in items if t.origin == "synthetic"]
-  failed = sum(m["env_errors"] for m in metrics)
-  assert failed == sum(m["exp_parse_failures"] + m["exp_overflows"] for m in metrics)
-  assert len(items) - len(synthetic) == offline and len(synthetic) == summary["synthetic_transitions"] - failed
-  assert {t.policy_version for t in synthetic} <= {0, 1, 2}
+  assert all(m["env_errors"] == 0 for m in metrics)
+  assert len(items) - len(synthetic) == offline and len(synthetic) == summary["synthetic_transitions"]
+  assert sorted({t.policy_version for t in synthetic}) == [0, 1, 2]
   assert summary["replay_size"] == len(items) == metrics[-1]["replay_size"]
   # Curriculum: every drawn task got statistics; M_task's candidates are all accounted for.
   pool = TaskPool.load(out / "task_pool.json")
   state = jax.device_get(pool.state)
   assert int(np.asarray(state.iteration)) == 3
-  # A drawn task counts once per iteration unless the env (M_exp) failed on all G of its episodes.
-  drawn = 3 * cfg.rl.tasks_per_iteration
-  assert drawn - failed // ROLLOUT.group_size <= int(np.asarray(state.times_sampled).sum()) <= drawn
+  assert int(np.asarray(state.times_sampled).sum()) == 3 * cfg.rl.tasks_per_iteration
   counts = summary["generation"]
   assert all("generation_candidates" in m for m in metrics)  # M_task ran on the drawn tasks every iteration
   assert sum(v for k, v in counts.items()) == sum(m.get("generation_candidates", 0) for m in metrics)
   assert counts.get("accepted", 0) >= sum(m.get("generated", 0) for m in metrics)
   assert len(pool) == len({r.task.task_id for r in read_trajectories(cfg.offline_data[0])}) + metrics[-1][
       "pool_generated"]
-  # The policy changed exactly when an update had a loss: this M_exp (12 SFT steps) rarely answers in its format, and
-  # the episodes it fails on are left out of the update, so whether any group kept unequal returns depends on it.
+  # The update changed the policy.
   _, before = load_hf_checkpoint(cfg.rl.model.checkpoint)
   _, after = load_hf_checkpoint(summary["checkpoint"])
-  changed = any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
-  assert changed == any(m["loss"] != 0.0 for m in metrics if "loss" in m)
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
   assert (out / "learning_curve.svg").is_file() and json.loads((out / "summary.json").read_text())["iterations"] == 3
 
 

@@ -180,7 +180,7 @@ def test_malformed_outputs_are_counted_failures(random_env, tok, retriever, reco
     r = results[i]
     assert r.done and r.reward == 0.0 and not r.success and not r.invalid
     assert r.observation == Observation(FAILURE_STATE, rows[i].instruction, rows[i].steps[0].admissible)
-    assert r.info["error"].startswith("experience model: ") and env_failed(r)
+    assert r.info["exp_error"] and not env_failed(r)  # M_exp's failure is an outcome, not an env failure
     assert not r.info["truncated"] and r.info["step"] == 1
     assert 1 <= r.info["generated_tokens"] <= 12
     # the prompt is build_prompt's, with the row's retrieved transition (never its own episode)
@@ -243,7 +243,7 @@ def test_prompt_overflow_is_a_failure_outcome(random_env, tok, records):
     env.prompt_buckets = BUCKETS
   for i in (0, 2):
     assert results[i].done and results[i].reward == 0 and results[i].observation.state == FAILURE_STATE
-    assert "does not fit the largest prompt bucket" in results[i].info["error"]
+    assert "does not fit the largest prompt bucket" in results[i].info["exp_error"]
     assert results[i].info["generated_tokens"] == 0 and env.last_prompts[i] is None
   assert env.stats["overflows"] == 2 and env.stats["parse_failures"] == 0 and env.stats["steps"] == 2
 
@@ -339,7 +339,7 @@ def test_fine_tuned_model_replays_recorded_transitions(trained_env, tok, retriev
     for i, (r, res) in enumerate(zip(records, results)):
       s = r.steps[j]
       t = next(t for t in transitions([r]) if t.step == j)
-      assert "error" not in res.info and res.info["stopped"], res.info["output"]
+      assert "exp_error" not in res.info and not env_failed(res) and res.info["stopped"], res.info["output"]
       assert (res.observation.state, res.reward, res.done, res.success, res.invalid) == (
           s.next_state, s.reward, s.done, s.success, s.invalid)
       assert res.observation.admissible == () and res.info["reasoning"] == _reason(t)

@@ -10,7 +10,7 @@ configured so, the episode ends as a failure).
 
 Env failures are a different thing, and every env reports them one way: `info[ENV_ERROR]` (a non-empty message) on a
 result with done=True, reward 0, success and invalid False (`env_failure`). It means the env, not the agent, ended the
-episode: its process or browser died, it hung, it raised, or the experience model wrote an answer that does not parse.
+episode: its process or browser died, it hung or it raised.
 Such an episode says nothing about the policy, so consumers leave it out: RL takes it out of the advantages and the
 update, evaluation reruns or excludes it, collection drops it, and each counts it. The key is present only on a
 failure. The batch envs (SerialBatchEnv here, EnvPool in worker processes) turn an exception raised by a row's env

@@ -12,11 +12,12 @@ The rollout engine drives it exactly like a real env: `reset_batch(tasks)` gives
    stepped get a one-token dummy prompt and a budget of 0 tokens. Sampling stops at the chat end-of-turn (or eos);
 4. parsing: the output, decoded without its stop token, goes through `parse_output`, which is total.
 
-Outcomes, never exceptions. A malformed output is the simulator's failure, reported as every env reports its own
-failures (dreamjax.envs.base: done, reward 0, success and invalid False, `info[ENV_ERROR]` saying why, the state
-`FAILURE_STATE`): the agent is neither charged nor credited, and RL leaves the episode out. It counts in
-`stats["parse_failures"]`. A prompt that does not fit
-the largest bucket first loses history (oldest first), then retrieved examples (last first); if the current state and
+Outcomes, never exceptions. A malformed output is the parser's failure outcome (done, reward 0, success False, the
+state `FAILURE_STATE`, invalid False: no invalid-action penalty; `info["exp_error"]` says why) and counts in
+`stats["parse_failures"]`. It is deliberately not an env failure (dreamjax.envs.base.ENV_ERROR, which RL leaves out):
+whether M_exp's answer parses depends on the policy's action, so leaving those episodes out would condition the
+update on M_exp succeeding; measured on `make demo`, the DreamGym policy then learned to write unparseable answers
+(held-out success 0.50 -> 0.00). A prompt that does not fit the largest bucket first loses history (oldest first), then retrieved examples (last first); if the current state and
 action alone are still too long, the row ends the same way as a malformed output (`stats["overflows"]`). Reset checks
 that every initial state fits, so that path is only reached by long predicted states or actions. An episode that
 reaches `max_steps` steps without the model ending it ends there (done, success False, reward 0,
@@ -38,7 +39,7 @@ reproducible from the env's key, and a row's draws do not depend on the other ro
 
 `info` of a stepped row: reasoning, output (the decoded text), generated_tokens, stopped (ended by the stop token
 rather than the budget), retrieved ("episode_id:step" of the transitions shown), prompt_tokens, step (steps taken in
-this episode, this one included), truncated, and ENV_ERROR only when the output did not parse or the prompt did not
+this episode, this one included), truncated, and exp_error only when the output did not parse or the prompt did not
 fit.
 
 Several processes (a multi-host DreamGym run): every process drives its own SyntheticEnv with the same rows, keys and
@@ -61,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dreamjax.data.records import TrajectoryRecord
-from dreamjax.envs.base import ENV_ERROR, Observation, StepResult, Task
+from dreamjax.envs.base import Observation, StepResult, Task
 from dreamjax.experience.format import ExpFormatConfig, ExpPrediction, parse_output, render_user, system_prompt
 from dreamjax.models.config import ModelConfig
 from dreamjax.parallel.distributed import to_host
@@ -304,7 +305,7 @@ class SyntheticEnv:
       info.update(reasoning=pred.reasoning, output=text, generated_tokens=generated, stopped=stopped,
                   step=len(row.history), truncated=truncated)
       if not pred.ok:
-        info[ENV_ERROR] = f"experience model: {pred.error}"
+        info["exp_error"] = pred.error
       row.state = pred.next_state
       shown = row.admissible if self.admissible == "keep" else ()
       row.last = StepResult(Observation(pred.next_state, row.instruction, shown), pred.reward,

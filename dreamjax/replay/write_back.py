@@ -19,9 +19,8 @@ from dreamjax.rollout.trajectory import Trajectories
 
 
 def write_back_transitions(traj: Trajectories, unparsed: np.ndarray, iteration: int) -> list[Transition]:
-  """The episodes' steps M_exp answered, as synthetic replay transitions: not the turns whose answer did not parse
-  (they never reached M_exp), nor the step M_exp failed on (`traj.env_error`: its output did not parse). Each keeps
-  its step index in the episode."""
+  """The episodes' steps that reached M_exp, as synthetic replay transitions: not the turns whose answer did not parse
+  (they never reached M_exp), nor a step on which the env failed (`traj.env_error`). Each keeps its step index."""
   skip = {(int(traj.episode[m]), int(traj.turn[m])) for m in np.flatnonzero(unparsed)}
   skip |= {(int(e), int(traj.num_turns[e]) - 1) for e in np.flatnonzero(traj.env_error)}
   return [t for e, record in enumerate(traj.records)

@@ -11,7 +11,7 @@ tokens (Kind.ACTION), including the stop token, and 0 on prompts and padding.
 
 Episode e has turns `turn_rows[e, :num_turns[e]]` (row indices into the turn arrays, -1 after the last). Episodes with
 the same task in one batch share `group[e]` (the GRPO group). `env_error[e]` marks an episode the env ended by failing
-(dreamjax.envs.base: its process died, it raised, M_exp's answer did not parse) on its last turn: it says nothing about
+(dreamjax.envs.base: its process or browser died, it hung or raised) on its last turn: it says nothing about
 the policy, and the update, evaluation and write-back leave it out.
 """
 
