@@ -318,6 +318,15 @@ def warm_start(twx, tmp_path_factory):
   return behaviour_clone(records, child.FMT, child.ROLLOUT, root)[0]
 
 
+@pytest.fixture(scope="module")
+def whole(warm_start, twx, xla_cache, tmp_path_factory):
+  """The uninterrupted run of the resume config: (its folder, its summary)."""
+  from dreamjax.commands.rl import run
+
+  folder = tmp_path_factory.mktemp("whole")
+  return folder, run(child.resume_config(warm_start, folder), twx)
+
+
 def _untimed(row):
   return {k: _untimed(v) if isinstance(v, dict) else v for k, v in row.items() if not k.endswith("_s")}
 
@@ -346,11 +355,10 @@ def _kill_after_second_checkpoint(warm: Path, out: Path, cache_env: dict[str, st
   return metrics.read_text().count("\n")
 
 
-def test_a_killed_run_resumes_to_the_uninterrupted_result(warm_start, twx, xla_cache, tmp_path):
+def test_a_killed_run_resumes_to_the_uninterrupted_result(warm_start, twx, xla_cache, whole, tmp_path):
   from dreamjax.commands.rl import run
 
-  whole, killed = tmp_path / "whole", tmp_path / "killed"
-  summary_whole = run(child.resume_config(warm_start, whole), twx)
+  (whole, summary_whole), killed = whole, tmp_path / "killed"
   rows_at_kill = _kill_after_second_checkpoint(warm_start, killed, xla_cache)
   assert rows_at_kill >= 3 and not (killed / "final").exists()
   with RunCheckpointer(killed / "checkpoints") as ck:
@@ -391,3 +399,23 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(warm_start, twx, xla_c
   again = run(child.resume_config(warm_start, killed), twx)
   assert again["resumed_from"] == 4 and again["evals"] == summary["evals"] and again["run_id"] == run_id
   assert files == {name: (killed / name).read_text() for name in files}
+
+
+def test_a_resume_step_whose_array_data_is_corrupt_falls_back_to_the_step_before(warm_start, twx, whole, tmp_path):
+  """Step 4's metadata opens, so the run is built from it; its array data fails only when read. The command starts
+  again from step 3, with a warning, and ends where the uninterrupted run did, bit for bit."""
+  from dreamjax.commands.rl import run
+
+  (folder, summary_whole), copy = whole, tmp_path / "run"
+  shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("final"))
+  largest = max((copy / "checkpoints" / "4" / "arrays").rglob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)
+  largest.write_bytes(largest.read_bytes()[:64])
+  with pytest.warns(UserWarning, match=r"checkpoints/4 \(.*\); moved it to 4.unreadable and using step 3"):
+    summary = run(child.resume_config(warm_start, copy), twx)
+  assert summary["resumed_from"] == 3 and (copy / "checkpoints" / "4.unreadable").is_dir()
+  with RunCheckpointer(folder / "checkpoints") as a, RunCheckpointer(copy / "checkpoints") as b:
+    assert b.steps() == [3, 4]
+    _assert_equal_trees(a.restore(4)[0], b.restore(4)[0])
+  assert [_untimed(r) for r in read_metrics(copy / "metrics.jsonl")] == \
+      [_untimed(r) for r in read_metrics(folder / "metrics.jsonl")]
+  assert [_untimed(e) for e in summary["evals"]] == [_untimed(e) for e in summary_whole["evals"]]

@@ -57,7 +57,7 @@ from dreamjax.experience.synthetic_env import SyntheticEnv, initial_states_from
 from dreamjax.loop.dreamgym import DreamGymHook, PlacementConfig, make_meshes, seed_records
 from dreamjax.loop.learner import PolicyLearner, RLConfig, load_policy
 from dreamjax.loop.lock import lock_run_folder
-from dreamjax.loop.run import Run, run_iterations
+from dreamjax.loop.run import Run, resuming, run_iterations
 from dreamjax.parallel import initialize, is_primary
 from dreamjax.replay.write_back import open_replay, rebuild_retriever
 from dreamjax.rl.keys import PHASE_SYNTHETIC, phase_key
@@ -95,7 +95,7 @@ def run(cfg: DreamGymConfig) -> dict[str, Any]:
   `out_dir` when there is one), evaluates on the real env, writes the run folder; returns the summary."""
   initialize(cfg.rl.distributed)  # before anything touches devices: after it, jax.devices() spans every process
   with lock_run_folder(cfg.out_dir):  # a second run on the folder is refused before M_exp loads; `Run` re-enters it
-    return _run(cfg)
+    return resuming(lambda: _run(cfg))
 
 
 def _run(cfg: DreamGymConfig) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from dreamjax.envs.base import BatchEnv
 from dreamjax.envs.registry import make_batch_env
 from dreamjax.loop.config import run_mesh
 from dreamjax.loop.learner import PolicyLearner, RLConfig, load_policy
-from dreamjax.loop.run import Run, run_iterations
+from dreamjax.loop.run import Run, resuming, run_iterations
 from dreamjax.parallel import initialize
 
 
@@ -32,6 +32,10 @@ def run(cfg: RLConfig, env: BatchEnv | None = None) -> dict[str, Any]:
   returns the summary. `env` may be any BatchEnv taking `cfg.rows` rows (it is not closed here); by default one is
   made from the config."""
   initialize(cfg.distributed)  # before anything touches devices: after it, jax.devices() spans every process
+  return resuming(lambda: _run(cfg, env))
+
+
+def _run(cfg: RLConfig, env: BatchEnv | None) -> dict[str, Any]:
   cfg.model.check("RLConfig.model.checkpoint")  # a bad path: one line now, not a traceback once the JVMs started
   mesh = run_mesh(cfg)
   train_pool, eval_pool = cfg.train_tasks.tasks(cfg.env), cfg.eval_tasks.tasks(cfg.env)

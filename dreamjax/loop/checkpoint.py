@@ -26,9 +26,8 @@ step that does not is moved aside to `<step>.unreadable` (which orbax ignores, s
 nor takes one of the `keep` slots) with a `CheckpointWarning` naming the folder and the error's first line. When no
 committed step opens, `latest_step` raises a `CheckpointError` naming the folder and moves nothing. `restore(None)`
 goes further back the same way when the array data itself fails to read; `restore(step)` and `meta(step)` of a named
-step that fails raise a one-line `CheckpointError` naming the step folder and the previous committed step (the RL
-loop resumes from the step `latest_step` chose, so a step whose array data alone is bad stops it with that line; move
-the folder away and rerun). Orbax keeps no checksum of array data: a flipped byte inside a chunk is not always an
+step that fails raise a one-line `StepUnreadable` (a `CheckpointError`) naming the step folder and the previous
+committed step; the caller may `set_aside` the step and use that one (the RL loop does: `dreamjax.loop.run`). Orbax keeps no checksum of array data: a flipped byte inside a chunk is not always an
 error, it can restore as wrong numbers. A state that went bad in training never reaches the disk: `save` refuses arrays
 holding a NaN or an infinity (naming the leaf), so `keep` rotation never pushes the last good step out for a bad one.
 
@@ -70,6 +69,14 @@ class CheckpointError(ValueError):
   """A committed checkpoint step cannot be read (the message is one line naming the folder)."""
 
 
+class StepUnreadable(CheckpointError):
+  """The named committed `step` cannot be read (`problem`); `earlier` is the committed step before it (None: none)."""
+
+  def __init__(self, message: str, step: int, problem: str, earlier: int | None):
+    super().__init__(message)
+    self.step, self.problem, self.earlier = step, problem, earlier
+
+
 class CheckpointWarning(UserWarning):
   """A committed checkpoint step could not be read and an earlier one is used instead."""
 
@@ -91,19 +98,32 @@ def _first_line(e: BaseException, limit: int = 300) -> str:
 
 
 def _reading(fn: Callable[[], Any]) -> Any:
-  """`fn()`, any failure turned into `_Unreadable` with its first line. The failure is dropped first and what it held
-  collected with Python's unraisable-exception report muted: orbax's other reads of the step, still pending when the
-  first one failed, each raise again as they are finalised, and would print a page of TensorStore spec apiece."""
+  """`fn()`, any failure turned into `_Unreadable` with its first line. Orbax's other reads of the step, still in
+  flight when the first one failed, each raise again when their coroutine is finalised (at once, or whenever the
+  collector reaches it), with a page of TensorStore spec apiece: those reports are filtered out from then on."""
   try:
     return fn()
   except Exception as e:  # orbax, TensorStore and JSON errors alike: the step cannot be read
     problem = _first_line(e)
-  report, sys.unraisablehook = sys.unraisablehook, lambda _: None
-  try:
-    gc.collect()
-  finally:
-    sys.unraisablehook = report
+  if not isinstance(sys.unraisablehook, _QuietOrbaxReads):
+    sys.unraisablehook = _QuietOrbaxReads(sys.unraisablehook)
+  gc.collect()
   raise _Unreadable(problem)
+
+
+class _QuietOrbaxReads:
+  """An unraisable-exception hook that drops the leftovers of a failed orbax read (its coroutines' errors, and its
+  TensorStore futures completing into the event loop orbax already closed) and passes every other report on."""
+
+  def __init__(self, report: Callable[[Any], None]):
+    self.report = report
+
+  def __call__(self, unraisable: Any) -> None:
+    code = getattr(unraisable.object, "cr_code", None)
+    orbax = code is not None and "/orbax/" in code.co_filename.replace("\\", "/")
+    closed = isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"
+    if not (orbax or closed):
+      self.report(unraisable)
 
 
 def _name(entry: Any) -> str:
@@ -206,7 +226,7 @@ class RunCheckpointer:
       problem = self._problem(step)
       if problem is None:
         for s, p in bad:
-          self._set_aside(s, p, step)
+          self.set_aside(s, p, step)
         return step
       bad.append((step, problem))
     if bad:
@@ -231,8 +251,9 @@ class RunCheckpointer:
     self._opens.add(step)
     return None
 
-  def _set_aside(self, step: int, problem: str, fallback: int) -> None:
-    """Moves an unreadable committed step out of orbax's sight (process 0; every process meets the barrier)."""
+  def set_aside(self, step: int, problem: str, fallback: int) -> None:
+    """Moves an unreadable committed step out of orbax's sight with a warning naming `problem` and the `fallback`
+    step used instead (process 0 moves it; every process meets the barrier)."""
     target = self.folder / f"{step}.unreadable"
     for n in range(1, 1000):
       if not target.exists():
@@ -303,13 +324,14 @@ class RunCheckpointer:
         earlier = [s for s in self.steps() if s < step]
         if not earlier:
           raise self._error(step, e.problem) from None
-        self._set_aside(step, e.problem, earlier[-1])
+        self.set_aside(step, e.problem, earlier[-1])
 
-  def _error(self, step: int, problem: str) -> CheckpointError:
+  def _error(self, step: int, problem: str) -> StepUnreadable:
     earlier = [s for s in self.steps() if s < step]
     hint = (f"; move that folder away to resume from step {earlier[-1]}" if earlier else
             "; no earlier committed step: move the checkpoints folder away to start afresh")
-    return CheckpointError(f"RunCheckpointer: cannot read checkpoint {self.folder / str(step)} ({problem}){hint}")
+    return StepUnreadable(f"RunCheckpointer: cannot read checkpoint {self.folder / str(step)} ({problem}){hint}", step,
+                          problem, earlier[-1] if earlier else None)
 
   def _restore(self, step: int, like: Any) -> tuple[Any, dict[str, Any]]:
     keys = _reading(lambda: self._manager.restore(step, args=ocp.args.Composite(keys=ocp.args.JsonRestore())))

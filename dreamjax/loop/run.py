@@ -17,7 +17,9 @@ hooks write. With `track.wandb` "online" or "offline" the metrics also go to Wei
 Checkpoints and resume. Every `checkpoint_every` iterations (and after the last) the learner's arrays (train state,
 frozen reference, root key), the hooks' arrays and, as JSON, the counters, evaluations, the tracker's run id, the
 config and the hooks' state are saved with orbax. Rerunning the same command with the same `out_dir` resumes from the
-latest committed checkpoint: rows logged after it are dropped from metrics.jsonl and evals.jsonl, and since every
+latest committed checkpoint (a step that fails to read is moved aside with a warning and the one before it used;
+one whose array data alone is bad is found only when the arrays are read, after the hooks were built from its meta, so
+the command, wrapped in `resuming`, is built again from the earlier step): rows logged after it are dropped from metrics.jsonl and evals.jsonl, and since every
 draw depends only on (seed, iteration, phase), the resumed run ends with the same parameters, bit for bit, and the
 same files, timings aside, as a run that was never interrupted. W&B continues the same run id.
 
@@ -33,12 +35,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from dreamjax.envs.base import BatchEnv, Task
-from dreamjax.loop.checkpoint import RunCheckpointer
+from dreamjax.loop.checkpoint import RunCheckpointer, StepUnreadable
 from dreamjax.loop.learner import PolicyLearner, RLConfig
 from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.model import save_model
@@ -49,6 +51,29 @@ from dreamjax.rollout.trajectory import Trajectories
 # Training curves drawn into metrics.svg (those a run logs; PPO adds vf_loss, GRPO kl).
 CURVES = ("loss", "kl", "vf_loss", "entropy", "grad_norm", "rollout_success", "rollout_return", "invalid_rate",
           "parse_failure_rate", "zero_variance_group_frac", "real_transitions", "synthetic_transitions", "iteration_s")
+
+
+T = TypeVar("T")
+
+
+class ResumeAgain(Exception):
+  """The checkpoint a run resumed from held array data that failed to read; it was set aside, so building the run
+  again resumes from the committed step before it."""
+
+  def __init__(self, step: int, earlier: int):
+    super().__init__(f"checkpoint {step} could not be read; starting again from checkpoint {earlier}")
+    self.step, self.earlier = step, earlier
+
+
+def resuming(command: Callable[[], T]) -> T:
+  """`command()` (one that builds a `Run` and calls `run_iterations`), run again each time the step it resumed from
+  turned out unreadable only once its arrays were read: the step's metadata opened, so the hooks and the tracker were
+  already built from it, and everything is rebuilt from the earlier step rather than patched."""
+  while True:
+    try:
+      return command()
+    except ResumeAgain as e:
+      echo(str(e))
 
 
 class TaskSource(Protocol):
@@ -142,7 +167,14 @@ def run_iterations(run: Run, learner: PolicyLearner, tasks: TaskSource, env: Bat
   evals: list[dict[str, Any]] = []
   train_curve: list[tuple[int, int, float]] = []  # (iteration, transitions of the env's kind, rollout success)
   if run.resume is not None:
-    arrays, meta = run.ckpt.restore(run.resume, like=_arrays(learner, hooks))
+    try:
+      arrays, meta = run.ckpt.restore(run.resume, like=_arrays(learner, hooks))
+    except StepUnreadable as e:
+      if e.earlier is None:
+        raise
+      # The hooks and the tracker were built from this step's meta: the whole command starts again (`resuming`).
+      run.ckpt.set_aside(e.step, e.problem, e.earlier)
+      raise ResumeAgain(e.step, e.earlier) from None
     learner.load_checkpoint_arrays(arrays)
     for hook in hooks:
       hook.restore(arrays, meta)
