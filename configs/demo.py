@@ -17,5 +17,5 @@ from dreamjax.config import load_config
 
 def config() -> ReproduceConfig:
   full = load_config(f"{Path(__file__).with_name('reproduce_twx.py')}:tiny")
-  return dataclasses.replace(full, dpo=None, algorithms=("grpo",), s2r_transitions=0, ablations=(), seeds=(0,),
+  return dataclasses.replace(full, dpo=None, algorithms=("grpo",), budgets=dataclasses.replace(full.budgets, s2r=0), ablations=(), seeds=(0,),
                              out_dir="runs/demo")

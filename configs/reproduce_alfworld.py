@@ -14,7 +14,7 @@ Rerunning a command resumes it: finished stages are reused. Results: <out_dir>/r
 import dataclasses
 from pathlib import Path
 
-from dreamjax.commands.reproduce import ReproduceConfig, for_slow_env, on_env
+from dreamjax.commands.reproduce import Budgets, ReproduceConfig, for_slow_env, on_env
 from dreamjax.config import load_config
 from dreamjax.loop.learner import TaskSpec
 from dreamjax.rollout.agent import AgentFormat
@@ -56,4 +56,6 @@ def tiny() -> ReproduceConfig:
       exp=dataclasses.replace(cfg.exp, max_len=1536),
       sft=dataclasses.replace(cfg.sft, model=dataclasses.replace(
           cfg.sft.model, tiny=cfg.sft.model.tiny.replace(max_position_embeddings=2048))),  # ALFWorld's long rooms
-      s2r_transitions=150)
+      # The paper's ratios (SFT 1 : DPO 2 : real-env RL 4, S2R 1/16 of it) at what 6 iterations of 8 episodes of at
+      # most 20 steps can spend.
+      budgets=Budgets(sft=240, dpo=480, real_rl=960, s2r=60))

@@ -15,7 +15,7 @@ Rerunning a command resumes it: finished stages are reused. Results: <out_dir>/r
 import dataclasses
 from pathlib import Path
 
-from dreamjax.commands.reproduce import ReproduceConfig, for_slow_env, on_env
+from dreamjax.commands.reproduce import Budgets, ReproduceConfig, for_slow_env, on_env
 from dreamjax.config import load_config
 from dreamjax.loop.learner import TaskSpec
 from dreamjax.rollout.agent import AgentFormat
@@ -50,4 +50,6 @@ def tiny() -> ReproduceConfig:
       cfg,
       collect=dataclasses.replace(cfg.collect, policies=("expert:100", "random:40", "eps0.3:60"), rows_per_worker=4),
       exp=dataclasses.replace(cfg.exp, max_len=1024),
-      s2r_transitions=60)
+      # The paper's ratios (SFT 1 : DPO 2 : real-env RL 4, S2R 1/16 of it) at what 6 iterations of 8 episodes of at
+      # most 5 steps can spend.
+      budgets=Budgets(sft=60, dpo=120, real_rl=240, s2r=15))

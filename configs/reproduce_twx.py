@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 
 from dreamjax.commands.eval import EvalRunConfig
-from dreamjax.commands.reproduce import ReproduceConfig
+from dreamjax.commands.reproduce import Budgets, ReproduceConfig
 from dreamjax.config import load_config
 from dreamjax.data.collect import CollectConfig
 from dreamjax.loop.evaluate import EvalConfig
@@ -34,8 +34,8 @@ def config() -> ReproduceConfig:
       real=real,
       dreamgym=_load("dreamgym_twx.py"),
       algorithms=("grpo", "ppo"),
-      s2r_transitions=5000,
-      ablations=("no_replay", "no_curriculum", "no_reasoning"),
+      budgets=Budgets(sft=20_000, dpo=40_000, real_rl=80_000, s2r=5_000),  # the paper's (Table 1)
+      ablations=("no_replay", "no_reasoning", "no_task_generation", "no_curriculum"),
       eval=EvalRunConfig(env=real.env, env_kwargs=real.env_kwargs, num_workers=real.num_workers, tasks=real.eval_tasks,
                          agent=real.agent, rollout=real.rollout, batch=32, sampled=True),
       seeds=(0, 1, 2),
@@ -73,8 +73,10 @@ def tiny() -> ReproduceConfig:
       real=real,
       dreamgym=dreamgym,
       algorithms=("grpo", "ppo"),
-      s2r_transitions=150,
-      ablations=("no_replay", "no_curriculum"),  # the tiny M_exp is trained without reasoning already
+      # The paper's ratios (SFT 1 : DPO 2 : real-env RL 4 offline-to-online, S2R 1/16 of real-env RL) scaled to what ten
+      # tiny iterations spend (about 850 real transitions uncapped), so the real-env cap binds in the last iteration.
+      budgets=Budgets(sft=200, dpo=400, real_rl=800, s2r=50),
+      ablations=("no_replay", "no_task_generation", "no_curriculum"),  # the tiny M_exp has no reasoning to ablate
       eval=EvalRunConfig(env=real.env, env_kwargs=real.env_kwargs, tasks=eval_tasks, agent=real.agent,
                          rollout=real.rollout, batch=10, sampled=True, devices=1),
       seeds=(0, 1, 2),

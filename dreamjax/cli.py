@@ -33,6 +33,8 @@ COMMANDS = {
                  "dreamjax.commands.dreamgym:run"),
     "eval": ("a policy checkpoint's held-out success on a real env (greedy, optionally sampled)",
              "dreamjax.commands.eval:run"),
+    "tables": ("merge several reproduce runs' results (environments x backbones) into the paper's Table 1 and Table 2 "
+               "layouts", "dreamjax.commands.tables:run"),
     "sample": ("sample a batch from a (tiny or real) checkpoint and report tokens/s", "dreamjax.commands.sample:run"),
 }
 

@@ -8,7 +8,8 @@ import pytest
 
 from dreamjax.data.collect import CollectConfig, collect, parse_policies, plan_episodes
 from dreamjax.data.jsonl import JsonlWriter, PartialRecordWarning, read_jsonl
-from dreamjax.data.records import StepRecord, TrajectoryRecord, read_trajectories, transitions
+from dreamjax.data.records import (StepRecord, TrajectoryRecord, read_trajectories, read_trajectory_files,
+                                   transitions)
 from dreamjax.envs.base import Task
 
 
@@ -73,6 +74,23 @@ def test_records_round_trip_through_jsonl_and_bad_json_names_the_line(tmp_path):
   f.write_text(f.read_text().replace("\n", "\n{oops\n", 1))
   with pytest.raises(ValueError, match=rf"^{f}:2: not valid JSON"):
     read_trajectories(f)
+
+
+def test_offline_budgets_take_whole_episodes_in_file_order(tmp_path):
+  """An offline transition budget keeps the longest prefix of whole episodes within it (an episode that would cross
+  it is left out with every one after it, even a shorter later one), across files."""
+  files = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+  for f, lengths in zip(files, ([3, 2], [1, 4])):
+    with JsonlWriter(f) as w:
+      for i, n in enumerate(lengths):
+        w.write(_record(10 * len(f.name) + i + (0 if f.name == "a.jsonl" else 5), n).to_json())
+
+  def steps(**kw):
+    return [r.num_steps for r in read_trajectory_files(files, **kw)]
+
+  assert steps() == [3, 2, 1, 4] and steps(max_transitions=6) == [3, 2, 1] and steps(max_transitions=5) == [3, 2]
+  assert steps(max_transitions=4) == [3] and steps(max_transitions=2) == [] and steps(max_transitions=10) == [3, 2, 1, 4]
+  assert steps(max_episodes=3, max_transitions=100) == [3, 2, 1]
 
 
 def test_partial_last_line_is_ignored_and_cut_before_appending(tmp_path):

@@ -15,7 +15,7 @@ pytest.importorskip("textworld_express")
 
 SMALL = ["collect.policies=expert:12,random:4", "exp.steps=8", "exp.max_len=512", "sft.max_steps=40",
          "sft.eval.num_tasks=2", "sft.eval.num_envs=2", "eval.tasks.count=4", "eval.batch=4", "eval.sampled=false",
-         "s2r_transitions=1"]
+         "budgets.s2r=1"]
 for _rl in ("real", "dreamgym.rl"):
   SMALL += [f"{_rl}.iterations=2", f"{_rl}.tasks_per_iteration=2", f"{_rl}.rollout.group_size=2",
             f"{_rl}.eval_tasks.count=2", f"{_rl}.rows_per_step=16", f"{_rl}.eval_batch=4"]
@@ -62,7 +62,7 @@ def test_reproduce_config_errors():
   with pytest.raises(ValueError, match="unknown algorithm or ablation 'sac'"):
     load_config("configs/reproduce_twx.py:tiny", ["algorithms=grpo,sac"])
   cfg = load_config("configs/reproduce_twx.py:tiny")
-  assert cfg.algorithms == ("grpo", "ppo") and cfg.seeds == (0, 1, 2) and cfg.s2r_transitions > 0
+  assert cfg.algorithms == ("grpo", "ppo") and cfg.seeds == (0, 1, 2) and cfg.budgets.s2r > 0
   assert cfg.real.agent == cfg.sft.agent == cfg.dreamgym.rl.agent == cfg.eval.agent
   assert cfg.real.eval_tasks.game_params == cfg.eval.tasks.game_params == cfg.collect.game_params
 
@@ -113,10 +113,47 @@ def test_rows_sum_the_runs_costs_per_seed(tmp_path):
     (folder / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     runs.append((folder, {"seconds": 100.0 + seed, "real_transitions": 20 + seed}))
   evals = [{"successes": 3, "episodes": 4, "success_rate": 0.75}, {"successes": 1, "episodes": 4, "success_rate": 0.25}]
-  r = row("GRPO (real env)", runs, evals, offline=500)
+  r = row("GRPO (real env)", runs, evals, offline=500, budget={"kind": "online", "cap": 30})
   # Means over seeds of each run's totals: env (1.5 + 2.5, 3.0), update (22, 8), tokens (80, 40).
   assert r["env_s"] == 3.5 and r["update_s"] == 15.0 and r["policy_tokens"] == 60.0
   assert r["success_rate"] == 0.5 and r["per_seed"] == [0.75, 0.25] and r["seconds"] == 100.5
   cfg = load_config("configs/reproduce_twx.py:tiny", ["seeds=0,1"])
   text = table([r], cfg)
-  assert "| GRPO (real env) | 500 | 20 | 0 | 0.500 [" in text and text.rstrip().endswith("| 100 | 4 | 15 | 60 |")
+  # Budget and spend: the cap, and the mean real transitions of the seeds (20 and 21).
+  assert "| GRPO (real env) | 30 online | 20 | 500 | 20 | 0 | 0.500 [" in text
+  assert text.rstrip().endswith("| 100 | 4 | 15 | 60 |")
+  sft = row("SFT", runs[:1], evals[:1], offline=200, budget={"kind": "offline", "cap": None, "spent": 200})
+  assert "| SFT | - offline | 200 | 200 | 20 |" in table([sft], cfg)
+
+
+def test_ablations_are_their_own_experiments():
+  """w/o replay trains its own M_exp without retrieval; w/o task generation keeps curriculum selection and turns
+  M_task off; w/o curriculum draws seed tasks uniformly; w/o reasoning needs a reasoning M_exp to compare with."""
+  from dreamjax.commands.reproduce import ablated
+
+  cfg = load_config("configs/reproduce_twx.py")
+  trained = []
+
+  def exp_model(name, **fmt):
+    trained.append((name, fmt))
+    return f"runs/{name}"
+
+  assert ablated(cfg, "no_replay", "full", exp_model) == ("runs/exp_model_no_replay", {"replay": False})
+  assert ablated(cfg, "no_reasoning", "full", exp_model) == ("runs/exp_model_no_reasoning", {"reasoning": False})
+  assert trained == [("exp_model_no_replay", {"retrieval": False}), ("exp_model_no_reasoning", {"reasoning": False})]
+  exp, kw = ablated(cfg, "no_task_generation", "full", exp_model)
+  assert exp == "full" and kw["curriculum"].enabled and kw["curriculum"].generate_every == 0
+  exp, kw = ablated(cfg, "no_curriculum", "full", exp_model)
+  assert exp == "full" and not kw["curriculum"].enabled
+  tiny = load_config("configs/reproduce_twx.py:tiny")
+  assert not tiny.exp.format.reasoning
+  with pytest.raises(ValueError, match="no_reasoning ablation needs exp.format.reasoning=true"):
+    ablated(tiny, "no_reasoning", "full", exp_model)
+
+
+def test_budgets_keep_the_papers_ratios():
+  full, small = load_config("configs/reproduce_twx.py").budgets, load_config("configs/reproduce_twx.py:tiny").budgets
+  assert (full.sft, full.dpo, full.real_rl, full.s2r) == (20_000, 40_000, 80_000, 5_000)
+  assert small.dpo == 2 * small.sft and small.real_rl == 4 * small.sft and small.real_rl == 16 * small.s2r
+  with pytest.raises(ValueError, match="budgets.s2r must be >= 0"):
+    load_config("configs/reproduce_twx.py:tiny", ["budgets.s2r=-1"])

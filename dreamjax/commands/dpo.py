@@ -59,6 +59,8 @@ from dreamjax.rollout.engine import RolloutConfig
 @dataclasses.dataclass(frozen=True)
 class DpoConfig(RunConfig):
   data: tuple[str, ...] = ("runs/collect/twx/trajectories.jsonl",)  # TrajectoryRecord JSONL files
+  # Offline real transitions the run may learn from (whole episodes in file order; 0: all): the paper's DPO budget.
+  data_transitions: int = 0
   checkpoint: str = "runs/policy_sft/twx/checkpoint"  # the SFT policy: start and frozen reference
   env: str = "textworld_express"
   env_kwargs: tuple[str, ...] = ("step_limit=50",)
@@ -86,7 +88,7 @@ class DpoConfig(RunConfig):
   def __post_init__(self):
     check_settings(self, ("pairs_per_step", "micro_batches", "epochs", "score_batch", "log_every",
                           "max_nonfinite_updates"),
-                        ("max_steps", "pad_to", "devices"))
+                        ("max_steps", "pad_to", "devices", "data_transitions"))
     if self.beta <= 0:
       raise ValueError(f"DpoConfig.beta must be > 0, got {self.beta}")
 
@@ -154,7 +156,7 @@ def run(cfg: DpoConfig, env=None) -> dict[str, Any]:
 
 def _train(cfg: DpoConfig, env, out: Path, tracker: Tracker, t_start: float) -> dict[str, Any]:
   mesh = run_mesh(cfg)
-  records = read_trajectory_files(cfg.data, "DpoConfig.data")
+  records = read_trajectory_files(cfg.data, "DpoConfig.data", max_transitions=cfg.data_transitions)
   model_cfg, params, tokenizer = load_model(cfg.checkpoint, mesh=mesh, rules=TRAIN_RULES, seed=cfg.seed)
   pairs, pair_stats = preference_pairs(records, tokenizer, cfg.agent, cfg.pairs, cfg.rollout, think=cfg.think)
   if not pairs:
@@ -218,6 +220,7 @@ def _train(cfg: DpoConfig, env, out: Path, tracker: Tracker, t_start: float) -> 
   first, last = history[0], history[-1]
   summary = {
       "checkpoint": str(checkpoint), "reference": cfg.checkpoint, "pairs": pair_stats, "steps": step,
+      "offline_transitions": sum(r.num_steps for r in records),
       "epochs": round(step / steps_per_epoch, 3), "batch_rows": per_micro * cfg.micro_batches, "row_length": length,
       "reference_rows": len(ref), "reference_seconds": round(ref_s, 3), "compilations": step_fn.compilations(),
       "skipped_updates": skips.total,

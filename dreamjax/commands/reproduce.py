@@ -36,15 +36,31 @@ from dreamjax.commands.train_exp import ExpSftConfig
 from dreamjax.commands.train_policy import PolicySftConfig
 from dreamjax.data.collect import CollectConfig
 from dreamjax.data.jsonl import read_jsonl
-from dreamjax.data.records import read_trajectories
+from dreamjax.data.records import read_trajectory_files
 from dreamjax.loop.evaluate import EvalConfig, wilson_interval
 from dreamjax.loop.learner import RLConfig, TaskSpec
 from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.plots import success_bars
+from dreamjax.loop.results import ABLATIONS, ablation_method, budget_text
 from dreamjax.loop.track import json_dumps, to_json
 from dreamjax.rollout.agent import AgentFormat
 
-ABLATIONS = ("no_replay", "no_curriculum", "no_reasoning")
+@dataclasses.dataclass(frozen=True)
+class Budgets:
+  """Real transitions each method may use; 0: no cap. The paper's (Table 1): SFT 20K offline, DPO 40K offline,
+  real-env RL 80K online, DreamGym-S2R 5K online, DreamGym 0 online. Offline caps take whole episodes of the collected
+  data in file order (`read_trajectory_files`); online caps are exact: the run's last iteration is cut to what
+  remains (`RLConfig.max_real_transitions`)."""
+
+  sft: int = 0  # offline: the SFT policy's demonstrations, everyone's warm start
+  dpo: int = 0  # offline: DPO's preference pairs
+  real_rl: int = 0  # online: real-env PPO/GRPO
+  s2r: int = 0  # online: DreamGym-S2R's real-env phase; 0: no S2R rows
+
+  def __post_init__(self):
+    bad = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) < 0]
+    if bad:
+      raise ValueError(f"ReproduceConfig.budgets.{bad[0]} must be >= 0, got {getattr(self, bad[0])}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +72,12 @@ class ReproduceConfig:
   real: RLConfig | None = None  # the real-env baseline's settings (its algorithm is replaced per `algorithms`)
   dreamgym: DreamGymConfig | None = None
   algorithms: tuple[str, ...] = ("grpo",)  # run for real-env RL, DreamGym and S2R
-  s2r_transitions: int = 0  # DreamGym-S2R's real-transition budget; 0: no S2R rows
+  budgets: Budgets = Budgets()
   ablations: tuple[str, ...] = ()  # DreamGym GRPO without one component each (ABLATIONS)
   eval: EvalRunConfig = EvalRunConfig()  # the common final evaluation (its checkpoint and out_dir are set per row)
   seeds: tuple[int, ...] = (0,)
+  # The policy backbone's name in merged tables (`dreamjax tables`); "": the SFT checkpoint folder's name, or "tiny".
+  backbone: str = ""
   out_dir: str = "runs/reproduce"
 
   def __post_init__(self):
@@ -68,9 +86,9 @@ class ReproduceConfig:
     if unknown:
       raise ValueError(f"ReproduceConfig: unknown algorithm or ablation {unknown[0]!r} (algorithms: grpo, ppo; "
                        f"ablations: {', '.join(ABLATIONS)})")
-    if not self.seeds or self.s2r_transitions < 0:
-      raise ValueError("ReproduceConfig: at least one seed, and s2r_transitions >= 0")
-    if (self.ablations or self.s2r_transitions) and self.dreamgym is None:
+    if not self.seeds:
+      raise ValueError("ReproduceConfig: at least one seed")
+    if (self.ablations or self.budgets.s2r) and self.dreamgym is None:
       raise ValueError("ReproduceConfig: ablations and S2R need the dreamgym section")
     # Every row must be trained and scored on one environment; a section left on another one is a config slip.
     envs = {"collect": self.collect.env, "sft": self.sft.env, "dpo": self.dpo and self.dpo.env,
@@ -162,29 +180,39 @@ def _reproduce(cfg: ReproduceConfig, out: Path) -> dict[str, Any]:
   t0 = time.perf_counter()
   data = out / "data" / "trajectories.jsonl"
   _stage(out / "data", "summary.json", lambda: collect(dataclasses.replace(cfg.collect, out_dir=str(out / "data"))))
-  offline = sum(r.num_steps for r in read_trajectories(data))
+  budgets = cfg.budgets
+
+  def offline(cap: int = 0, episodes: int = 0) -> int:
+    """Real transitions in the collected data a stage reads under its caps (they all read prefixes of one file)."""
+    return sum(r.num_steps for r in read_trajectory_files([data], max_episodes=episodes, max_transitions=cap))
+
+  n_sft, n_exp = offline(budgets.sft), offline(episodes=cfg.exp.max_episodes)
 
   def exp_model(name: str, **fmt) -> str:
     exp = dataclasses.replace(cfg.exp, trajectories=(str(data),), out_dir=str(out / name),
                               format=dataclasses.replace(cfg.exp.format, **fmt))
     return _stage(out / name, "summary.json", lambda: train_exp.run(exp))["checkpoint"]
 
-  sft_cfg = dataclasses.replace(cfg.sft, data=(str(data),), out_dir=str(out / "sft"))
+  sft_cfg = dataclasses.replace(cfg.sft, data=(str(data),), data_transitions=budgets.sft, out_dir=str(out / "sft"))
   sft = _stage(out / "sft", "summary.json", lambda: train_policy.run(sft_cfg))["checkpoint"]
   rows: list[dict[str, Any]] = []
 
-  def add_row(method: str, runs: list[tuple[Path, dict[str, Any]]]) -> None:
+  def add_row(method: str, runs: list[tuple[Path, dict[str, Any]]], offline_n: int, budget: dict[str, Any]) -> None:
     """Evaluates each seed's final policy with the common settings and appends the method's row."""
     evals = []
     for folder, summary in runs:
       ev = dataclasses.replace(cfg.eval, checkpoint=summary["checkpoint"], out_dir=str(folder / "eval"))
       evals.append(_stage(folder / "eval", "eval.json", lambda ev=ev: eval_run.run(ev)))
-    rows.append(row(method, runs, evals, offline))  # every method starts from the SFT policy on that data
+    rows.append(row(method, runs, evals, offline_n, budget))
 
-  add_row("SFT", [(out / "sft", {"checkpoint": sft, "seconds": _seconds(out / "sft")})])
+  add_row("SFT", [(out / "sft", {"checkpoint": sft, "seconds": _seconds(out / "sft")})], n_sft,
+          {"kind": "offline", "cap": budgets.sft or None, "spent": n_sft})
   if cfg.dpo is not None:
-    dpo_cfg = dataclasses.replace(cfg.dpo, data=(str(data),), checkpoint=sft, out_dir=str(out / "dpo"))
-    add_row("DPO", [(out / "dpo", _stage(out / "dpo", "summary.json", lambda: dpo.run(dpo_cfg)))])
+    n_dpo = offline(budgets.dpo)
+    dpo_cfg = dataclasses.replace(cfg.dpo, data=(str(data),), data_transitions=budgets.dpo, checkpoint=sft,
+                                  out_dir=str(out / "dpo"))
+    add_row("DPO", [(out / "dpo", _stage(out / "dpo", "summary.json", lambda: dpo.run(dpo_cfg)))],
+            max(n_sft, n_dpo), {"kind": "offline", "cap": budgets.dpo or None, "spent": n_dpo})
 
   def seeds(name: str, make: Callable[[int, Path], Any], runner: Callable[[Any], Any]) -> list:
     runs = []
@@ -194,7 +222,10 @@ def _reproduce(cfg: ReproduceConfig, out: Path) -> dict[str, Any]:
       runs.append((folder, _stage(folder, "summary.json", lambda c=c: runner(c))))
     return runs
 
-  def real_rl(alg: str, checkpoint: str, s: int, folder: Path, budget: int = 0) -> RLConfig:
+  def online(cap: int | None) -> dict[str, Any]:
+    return {"kind": "online", "cap": cap}  # spent: the runs' mean real transitions (`row`)
+
+  def real_rl(alg: str, checkpoint: str, s: int, folder: Path, budget: int) -> RLConfig:
     rl = as_algorithm(cfg.real, alg)
     return dataclasses.replace(rl, model=dataclasses.replace(rl.model, checkpoint=checkpoint), seed=s,
                                out_dir=str(folder), max_real_transitions=budget)
@@ -202,7 +233,8 @@ def _reproduce(cfg: ReproduceConfig, out: Path) -> dict[str, Any]:
   if cfg.real is not None:
     for alg in cfg.algorithms:
       add_row(f"{alg.upper()} (real env)",
-              seeds(f"real_{alg}", lambda s, f, alg=alg: real_rl(alg, sft, s, f), rl.run))
+              seeds(f"real_{alg}", lambda s, f, alg=alg: real_rl(alg, sft, s, f, budgets.real_rl), rl.run), n_sft,
+              online(budgets.real_rl or None))
 
   def dream(alg: str, s: int, folder: Path, exp: str, **kw) -> DreamGymConfig:
     d = cfg.dreamgym
@@ -211,41 +243,51 @@ def _reproduce(cfg: ReproduceConfig, out: Path) -> dict[str, Any]:
 
   if cfg.dreamgym is not None:
     exp = exp_model("exp_model")
+    dream_offline = max(n_sft, n_exp)  # the warm start's demonstrations and M_exp's training data
     dream_runs = {}
     for alg in cfg.algorithms:
       dream_runs[alg] = seeds(f"dreamgym_{alg}", lambda s, f, alg=alg: dream(alg, s, f, exp), dreamgym.run)
-      add_row(f"DreamGym {alg.upper()}", dream_runs[alg])
-    if cfg.s2r_transitions:
+      add_row(f"DreamGym {alg.upper()}", dream_runs[alg], dream_offline, online(0))
+    if budgets.s2r:
       for alg in cfg.algorithms:
         starts = {s: summary["checkpoint"] for s, (_, summary) in zip(cfg.seeds, dream_runs[alg])}
         add_row(f"DreamGym-S2R {alg.upper()}",
-                seeds(f"s2r_{alg}", lambda s, f, alg=alg, starts=starts: real_rl(alg, starts[s], s, f,
-                                                                                  cfg.s2r_transitions),
-                      rl.run))
+                seeds(f"s2r_{alg}", lambda s, f, alg=alg, starts=starts: real_rl(alg, starts[s], s, f, budgets.s2r),
+                      rl.run), dream_offline, online(budgets.s2r))  # S2R rows exist only with a budget
     for ablation in cfg.ablations:
-      kw: dict[str, Any] = {}
-      exp_ab = exp
-      if ablation == "no_replay":
-        kw["replay"] = False
-      elif ablation == "no_curriculum":
-        kw["curriculum"] = dataclasses.replace(cfg.dreamgym.curriculum, enabled=False)
-      else:
-        if not cfg.exp.format.reasoning:
-          raise ValueError("ReproduceConfig: the no_reasoning ablation needs exp.format.reasoning=true for the full "
-                           "M_exp")
-        exp_ab, kw["reasoning"] = exp_model("exp_model_no_reasoning", reasoning=False), False
-      add_row(f"DreamGym GRPO w/o {ablation[3:].replace('_', ' ')}",
+      exp_ab, kw = ablated(cfg, ablation, exp, exp_model)
+      add_row(ablation_method(ablation),
               seeds(f"dreamgym_grpo_{ablation}", lambda s, f, kw=kw, e=exp_ab: dream("grpo", s, f, e, **kw),
-                    dreamgym.run))
+                    dreamgym.run), dream_offline, online(0))
 
-  result = {"rows": rows, "seeds": list(cfg.seeds), "offline_transitions": offline,
-            "eval": to_json(cfg.eval.tasks), "seconds": time.perf_counter() - t0}
+  result = {"env": cfg.eval.env, "backbone": backbone_name(cfg), "rows": rows, "seeds": list(cfg.seeds),
+            "offline_transitions": offline(), "budgets": to_json(budgets), "eval": to_json(cfg.eval.tasks),
+            "seconds": time.perf_counter() - t0}
   (out / "results.json").write_text(json_dumps(result, indent=1) + "\n")
   text = table(rows, cfg)
   (out / "results.md").write_text(text + "\n")
   success_bars(rows, out / "results.svg")
   print(text, flush=True)
   return result
+
+
+def ablated(cfg: ReproduceConfig, ablation: str, exp: str, exp_model: Callable[..., str]
+            ) -> tuple[str, dict[str, Any]]:
+  """(the M_exp checkpoint, DreamGymConfig overrides) of an ablation row (ABLATIONS)."""
+  curriculum = cfg.dreamgym.curriculum
+  if ablation == "no_replay":  # its own M_exp, trained without retrieved transitions in its prompts
+    return exp_model("exp_model_no_replay", retrieval=False), {"replay": False}
+  if ablation == "no_reasoning":  # its own M_exp, trained to predict without a reasoning trace
+    if not cfg.exp.format.reasoning:
+      raise ValueError("ReproduceConfig: the no_reasoning ablation needs exp.format.reasoning=true for the full M_exp")
+    return exp_model("exp_model_no_reasoning", reasoning=False), {"reasoning": False}
+  if ablation == "no_task_generation":  # curriculum selection on, M_task off
+    return exp, {"curriculum": dataclasses.replace(curriculum, generate_every=0)}
+  return exp, {"curriculum": dataclasses.replace(curriculum, enabled=False)}  # no_curriculum: uniform seed tasks
+
+
+def backbone_name(cfg: ReproduceConfig) -> str:
+  return cfg.backbone or (Path(cfg.sft.model.checkpoint).name if cfg.sft.model.checkpoint else "tiny")
 
 
 def _seconds(folder: Path) -> float | None:
@@ -272,16 +314,19 @@ def run_costs(folder: Path) -> dict[str, float]:
   return totals
 
 
-def row(method: str, runs: list[tuple[Path, dict[str, Any]]], evals: list[dict[str, Any]], offline: int
-        ) -> dict[str, Any]:
+def row(method: str, runs: list[tuple[Path, dict[str, Any]]], evals: list[dict[str, Any]], offline: int,
+        budget: dict[str, Any]) -> dict[str, Any]:
+  """A method's table row. `budget`: {"kind": "offline" | "online", "cap": transitions (None: no cap), "spent"
+  (offline rows: transitions read)}; an online row's spend is its runs' mean real transitions."""
   successes, episodes = sum(e["successes"] for e in evals), sum(e["episodes"] for e in evals)
   costs = [run_costs(folder) for folder, _ in runs]
   low, high = wilson_interval(successes, episodes)
   per_seed = [e["success_rate"] for e in evals]
   sampled = [e["sampled"]["success_rate"] for e in evals if "sampled" in e]
   seconds = [s.get("seconds") for _, s in runs if s.get("seconds") is not None]
-  return {"method": method, "offline_transitions": offline,
-          "real_transitions": int(sum(s.get("real_transitions", 0) for _, s in runs) / len(runs)),
+  real = int(sum(s.get("real_transitions", 0) for _, s in runs) / len(runs))
+  budget = {"spent": real, **budget}
+  return {"method": method, "budget": budget, "offline_transitions": offline, "real_transitions": real,
           "synthetic_transitions": int(sum(s.get("synthetic_transitions", 0) for _, s in runs) / len(runs)),
           "success_rate": successes / episodes, "ci_low": low, "ci_high": high, "per_seed": per_seed,
           "sampled_success_rate": sum(sampled) / len(sampled) if sampled else None,
@@ -293,17 +338,20 @@ def table(rows: list[dict[str, Any]], cfg: ReproduceConfig) -> str:
   tasks = cfg.eval.tasks
   head = (f"Held-out success on {tasks.count} {cfg.eval.env} tasks per game ({', '.join(tasks.games)}, split "
           f"{tasks.split}{', ' + tasks.game_params if tasks.game_params else ''}), greedy, one episode per task; "
-          f"mean over seeds {list(cfg.seeds)} with a 95% Wilson interval over all their episodes. Offline: real "
-          f"transitions in the collected data the method learns from; online: real transitions spent in training "
-          f"(per seed). Cost per seed: training wall time, of it the seconds inside the environment (the real env, "
-          f"or M_exp and retrieval for DreamGym) and in the policy update, and the tokens the policy sampled; S2R rows "
-          f"count their real-env phase only (add the DreamGym row above them).")
+          f"mean over seeds {list(cfg.seeds)} with a 95% Wilson interval over all their episodes. Budget: the real "
+          f"transitions the method may use (offline data, or online interaction; - : no cap) and what it spent (per "
+          f"seed). Offline: real transitions in the collected data the method learns from (SFT's warm start, and for "
+          f"DreamGym M_exp's training data); online: real transitions spent in training (per seed). Cost per seed: "
+          f"training wall time, of it the seconds inside the environment (the real env, or M_exp and retrieval for "
+          f"DreamGym) and in the policy update, and the tokens the policy sampled; S2R rows count their real-env "
+          f"phase only (add the DreamGym row above them).")
   sampled = any(r["sampled_success_rate"] is not None for r in rows)
-  lines = [head, "", "| method | offline real | online real | synthetic | success [95% CI] | per seed |"
-           + (" sampled |" if sampled else "") + " seconds | env s | update s | policy tokens |",
-           "|---|---|---|---|---|---|" + ("---|" if sampled else "") + "---|---|---|---|"]
+  lines = [head, "", "| method | budget | spent | offline real | online real | synthetic | success [95% CI] | "
+           "per seed |" + (" sampled |" if sampled else "") + " seconds | env s | update s | policy tokens |",
+           "|---|---|---|---|---|---|---|---|" + ("---|" if sampled else "") + "---|---|---|---|"]
   for r in rows:
-    cells = [r["method"], str(r["offline_transitions"]), str(r["real_transitions"]), str(r["synthetic_transitions"]),
+    cells = [r["method"], budget_text(r["budget"]), str(r["budget"]["spent"]), str(r["offline_transitions"]),
+             str(r["real_transitions"]), str(r["synthetic_transitions"]),
              f"{r['success_rate']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]",
              ", ".join(f"{x:.3f}" for x in r["per_seed"])]
     if sampled:
@@ -312,3 +360,4 @@ def table(rows: list[dict[str, Any]], cfg: ReproduceConfig) -> str:
     cells += [f"{r['env_s']:.0f}", f"{r['update_s']:.0f}", f"{r['policy_tokens']:.0f}"]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
+

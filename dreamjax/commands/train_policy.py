@@ -66,6 +66,8 @@ from dreamjax.rollout.engine import RolloutConfig
 @dataclasses.dataclass(frozen=True)
 class PolicySftConfig(RunConfig):
   data: tuple[str, ...] = ("runs/collect/twx/trajectories.jsonl",)  # TrajectoryRecord JSONL files
+  # Offline real transitions the run may learn from (whole episodes in file order; 0: all): the paper's SFT budget.
+  data_transitions: int = 0
   env: str = "textworld_express"
   env_kwargs: tuple[str, ...] = ("step_limit=50",)  # "key=value", as in CollectConfig
   agent: AgentFormat = AgentFormat(think=False)
@@ -89,7 +91,7 @@ class PolicySftConfig(RunConfig):
 
   def __post_init__(self):
     check_settings(self, ("batch_size", "micro_batches", "epochs", "log_every", "max_nonfinite_updates"),
-                   ("max_steps", "pad_to", "devices"))
+                   ("max_steps", "pad_to", "devices", "data_transitions"))
 
 
 def _batches(rows: Sequence[TurnRow], batch_size: int, rng: np.random.Generator) -> list[list[TurnRow]]:
@@ -114,7 +116,7 @@ def run(cfg: PolicySftConfig, env: BatchEnv | None = None) -> dict[str, Any]:
 
 def _train(cfg: PolicySftConfig, env: BatchEnv | None, out: Path, tracker: Tracker, t_start: float) -> dict[str, Any]:
   mesh = run_mesh(cfg)
-  records = read_trajectory_files(cfg.data, "PolicySftConfig.data")
+  records = read_trajectory_files(cfg.data, "PolicySftConfig.data", max_transitions=cfg.data_transitions)
   model_dir, model_cfg, params, tokenizer = prepare_model(
       cfg.model, out / "init_model", lambda: policy_texts(records, cfg.agent, cfg.rows.think), seed=cfg.seed, mesh=mesh)
   rows, row_stats = sft_rows(records, tokenizer, cfg.agent, cfg.rows, cfg.rollout)
@@ -167,6 +169,7 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, out: Path, tracker: Track
   checkpoint = save_model(state.params, model_cfg, model_dir, out / "checkpoint")
   summary = {
       "checkpoint": str(checkpoint), "init_model": str(model_dir), "rows": row_stats, "steps": step,
+      "offline_transitions": sum(r.num_steps for r in records),
       "epochs": round(step / steps_per_epoch, 3), "row_length": length, "compilations": step_fn.compilations(),
       "skipped_updates": skips.total, "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
       "train_seconds": round(train_s, 3),

@@ -17,7 +17,9 @@ field path, e.g. "data.jsonl:12: field 'steps[3].reward': expected a finite numb
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -201,10 +203,12 @@ def read_trajectories(path: str | Path) -> list[TrajectoryRecord]:
   return list(iter_trajectories(path))
 
 
-def read_trajectory_files(paths: Sequence[str | Path], field: str = "data", max_episodes: int = 0
-                          ) -> list[TrajectoryRecord]:
-  """The records of several JSONL files in order (the first `max_episodes`, 0: all); a missing file, no files, or an
-  episode id that appears twice is an error naming `field` (the config field that gave the paths)."""
+def read_trajectory_files(paths: Sequence[str | Path], field: str = "data", max_episodes: int = 0,
+                          max_transitions: int = 0) -> list[TrajectoryRecord]:
+  """The records of several JSONL files in order: the first `max_episodes` (0: all), then whole episodes while their
+  steps total at most `max_transitions` (0: no cap; an offline data budget: an episode that would cross it is left
+  out with every one after it, so the records are a prefix of the files). A missing file, no files, or an episode id
+  that appears twice is an error naming `field` (the config field that gave the paths)."""
   if not paths:
     raise ValueError(f"{field}: no trajectory files given (collect some with `dreamjax collect`)")
   records: list[TrajectoryRecord] = []
@@ -217,7 +221,11 @@ def read_trajectory_files(paths: Sequence[str | Path], field: str = "data", max_
         raise ValueError(f"{field}: episode {r.episode_id!r} of {path} appears in {seen[r.episode_id]} already")
       seen[r.episode_id] = str(path)
       records.append(r)
-  return records[:max_episodes] if max_episodes else records
+  records = records[:max_episodes] if max_episodes else records
+  if max_transitions:
+    steps = list(itertools.accumulate(r.num_steps for r in records))
+    records = records[:bisect.bisect_right(steps, max_transitions)]
+  return records
 
 
 def game_of(task: Task) -> str:
