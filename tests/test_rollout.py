@@ -356,6 +356,25 @@ def test_fine_tuned_policy_acts_in_the_real_env(twx, tok, policy_cfg, tuned_para
   assert traj.stats["parse_failures"] + traj.stats["env_invalid"] == int(traj.invalid.sum())
 
 
+def test_an_env_step_budget_is_exact_and_cuts_rows_in_order(twx, tok, policy_cfg, tuned_params, far_tasks):
+  """Uncapped, the two near games take 2 steps each and the far one more. With 4 steps: turn 0 steps all three rows
+  (1 left), turn 1 steps row 0 (it takes the coin) and cuts rows 1 and 2 before their action reaches the env."""
+  engine = RolloutEngine(policy_cfg, tok, FMT, GREEDY)
+  near = tasks("coin", "test", 2, params=ONE_ROOM, env=twx.envs[0])
+  whole = engine.run(tuned_params, twx, near + far_tasks[:1], jax.random.key(0))
+  assert int(whole.num_turns.sum()) > 4 and not whole.budget_cut.any()
+  traj = engine.run(tuned_params, twx, near + far_tasks[:1], jax.random.key(0), max_env_steps=4)
+  assert traj.num_turns.tolist() == [2, 1, 1] and traj.num_rows == 4 and traj.stats["budget_cut"] == 2
+  assert traj.budget_cut.tolist() == [False, True, True] and traj.left_out.tolist() == [False, True, True]
+  assert traj.success[0] and not traj.success[1:].any() and not traj.ended[1:].any()
+  assert [len(r.steps) for r in traj.records] == [2, 1, 1]
+  # Rows the budget left alone are the uncapped run's, token for token.
+  np.testing.assert_array_equal(traj.tokens[0, :traj.lengths[0]], whole.tokens[0, :whole.lengths[0]])
+  # A budget spent in the first turn stops every row after it.
+  first = engine.run(tuned_params, twx, near + far_tasks[:1], jax.random.key(0), max_env_steps=2)
+  assert first.num_turns.tolist() == [1, 1, 0] and first.budget_cut.all() and first.num_rows == 2
+
+
 class _KillJvm:
   """A SerialBatchEnv of TWX envs whose row `row` JVM is killed (SIGKILL, by pid) before the `at`-th step_batch of
   each of the first `times` episode batches: the env process dying mid-episode, as it does in a long run."""

@@ -15,6 +15,12 @@ rejects comes back as the env's own invalid result. Episodes end when the env sa
 when their sampled tokens reach `max_episode_tokens` (the last turn's budget is cut to what is left); the last two are
 truncations (`Trajectories.ended` False).
 
+An exact env-step budget (`run(max_env_steps=...)`, the last iteration of a run capped in real transitions): once the
+answers of a turn would step more rows than the budget has left, the rows past it (in row order, so whole GRPO groups
+are kept where possible) are cut before their action reaches the env, and every row still running when it reaches 0
+stops. A cut episode (`Trajectories.budget_cut`) is neither a success nor a failure: its last answer was never
+executed, so the update leaves it out, as it leaves out env failures (`Trajectories.left_out`).
+
 What is recorded per turn is exactly what the policy saw and produced: prompt ids from `build_turn_prompt`, the
 sampled ids including the stop token (without padding), and the sampler's log-probs. The engine never re-tokenises.
 Each episode is also a `TrajectoryRecord` (policy "policy", step source "policy") for the replay buffer and logs: a
@@ -98,6 +104,7 @@ class _Episode:
   success: bool = False
   score: float | None = None
   env_error: bool = False  # the env failed (dreamjax.envs.base.ENV_ERROR) on the last turn
+  budget_cut: bool = False  # the run's env-step budget ran out before the episode ended
 
 
 def _row_keys(key: jax.Array, turn: jax.Array, rows: int) -> jax.Array:
@@ -143,15 +150,18 @@ class RolloutEngine:
                        f"lower AgentFormat.max_admissible")
     return builder
 
-  def run(self, params, env: BatchEnv, tasks: Sequence[Task], key: jax.Array, policy_version: int = 0) -> Trajectories:
-    """Rollouts of every task `group_size` times: row r runs task r // G. `key` is a PRNG key (typed or raw)."""
+  def run(self, params, env: BatchEnv, tasks: Sequence[Task], key: jax.Array, policy_version: int = 0,
+          max_env_steps: int = 0) -> Trajectories:
+    """Rollouts of every task `group_size` times: row r runs task r // G. `key` is a PRNG key (typed or raw).
+    `max_env_steps` (0: no cap) caps the env steps of the whole call exactly (see the module docstring)."""
     cfg, tok = self.cfg, self.tokenizer
     if not tasks:
       raise ValueError("RolloutEngine.run: no tasks")
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
       key = jax.random.wrap_key_data(key)
     stats = dict(sample_s=0.0, env_s=0.0, turns=0, sampled_tokens=0, parse_failures=0, env_invalid=0, env_errors=0,
-                 buckets=set())
+                 budget_cut=0, buckets=set())
+    steps_left = max_env_steps if max_env_steps > 0 else None
     start = time.perf_counter()
     n = len(tasks) * cfg.group_size
     row_tasks = [tasks[r // cfg.group_size] for r in range(n)]
@@ -165,6 +175,10 @@ class RolloutEngine:
                          stop=[[i] for i in self.stop_ids])
 
     for turn in range(cfg.max_turns):
+      if steps_left == 0:  # the budget is spent: what is still running stops here
+        for r in range(n):
+          if eps[r].live:
+            eps[r].live, eps[r].budget_cut = False, True
       live = [r for r in range(n) if eps[r].live]
       if not live:
         break
@@ -193,6 +207,13 @@ class RolloutEngine:
         text = tok.decode(ids[:-1] if stopped else ids)
         answers[r] = (ids, np.asarray(out.logps[r, :len(ids)], np.float32), stopped, text, parse_answer(text))
         actions[r] = answers[r][4].action
+      if steps_left is not None:  # rows past the budget, in row order, are cut before their action reaches the env
+        stepping = [r for r in live if actions[r] is not None]
+        for r in stepping[steps_left:]:
+          actions[r] = None
+          eps[r].live, eps[r].budget_cut = False, True
+        steps_left -= min(steps_left, len(stepping))
+        live = [r for r in live if eps[r].live]
       results: list[StepResult | None] = [None] * n
       if any(a is not None for a in actions):
         t0 = time.perf_counter()
@@ -235,6 +256,7 @@ class RolloutEngine:
         elif turn + 1 >= cfg.max_turns or ep.used >= cfg.max_episode_tokens:
           ep.live = False
 
+    stats["budget_cut"] = sum(ep.budget_cut for ep in eps)
     t0 = time.perf_counter()
     traj = self._assemble(eps, key, policy_version)
     stats["total_s"] = time.perf_counter() - start
@@ -278,7 +300,8 @@ class RolloutEngine:
         num_turns=np.asarray([len(ep.turns) for ep in eps], np.int32), turn_rows=turn_rows,
         episode_reward=np.asarray([sum(t.reward for t in ep.turns) for ep in eps], np.float32),
         success=np.asarray([ep.success for ep in eps], bool), ended=np.asarray([ep.ended for ep in eps], bool),
-        env_error=np.asarray([ep.env_error for ep in eps], bool), records=records,
+        env_error=np.asarray([ep.env_error for ep in eps], bool),
+        budget_cut=np.asarray([ep.budget_cut for ep in eps], bool), records=records,
     )
 
   @staticmethod

@@ -12,7 +12,8 @@ tokens (Kind.ACTION), including the stop token, and 0 on prompts and padding.
 Episode e has turns `turn_rows[e, :num_turns[e]]` (row indices into the turn arrays, -1 after the last). Episodes with
 the same task in one batch share `group[e]` (the GRPO group). `env_error[e]` marks an episode the env ended by failing
 (dreamjax.envs.base: its process or browser died, it hung or raised) on its last turn: it says nothing about
-the policy, and the update, evaluation and write-back leave it out.
+the policy, and the update, evaluation and write-back leave it out. `budget_cut[e]` marks an episode an exact
+env-step budget stopped (its last answer never reached the env); `left_out` is either, what the update skips.
 """
 
 from __future__ import annotations
@@ -54,6 +55,18 @@ class Trajectories:
   # How the rollout went (RolloutEngine.run: seconds sampling and in the env, turns, sampled tokens, parse failures,
   # invalid actions, env errors, prompt buckets, compilations); empty for batches built by hand.
   stats: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  # bool [N]: the run's env-step budget stopped the episode (RolloutEngine.run's max_env_steps); None: none did.
+  budget_cut: np.ndarray | None = None
+
+  def __post_init__(self):
+    if self.budget_cut is None:
+      object.__setattr__(self, "budget_cut", np.zeros_like(np.asarray(self.env_error, bool)))
+
+  @property
+  def left_out(self) -> np.ndarray:
+    """bool [N]: episodes the update leaves out, as they say nothing about the policy: the env failed, or the
+    budget cut them before their last answer was executed."""
+    return np.asarray(self.env_error, bool) | np.asarray(self.budget_cut, bool)
 
   @property
   def num_rows(self) -> int:
