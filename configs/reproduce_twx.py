@@ -32,6 +32,7 @@ def config() -> ReproduceConfig:
       sft=_load("train_policy_twx.py"),
       dpo=_load("dpo_twx.py"),
       real=real,
+      ppo=_load("ppo_real_twx.py"),  # PPO rows: verl-agent's PPO (separate critic, its own lr), not GRPO's settings
       dreamgym=_load("dreamgym_twx.py"),
       algorithms=("grpo", "ppo"),
       budgets=Budgets(sft=20_000, dpo=40_000, real_rl=80_000, s2r=5_000),  # the paper's (Table 1)
@@ -71,6 +72,7 @@ def tiny() -> ReproduceConfig:
       sft=sft,
       dpo=dpo,
       real=real,
+      ppo=load_config(f"{HERE / 'ppo_real_twx.py'}:tiny"),
       dreamgym=dreamgym,
       algorithms=("grpo", "ppo"),
       # The paper's ratios (SFT 1 : DPO 2 : real-env RL 4 offline-to-online, S2R 1/16 of real-env RL) scaled to what ten

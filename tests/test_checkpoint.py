@@ -419,3 +419,22 @@ def test_a_resume_step_whose_array_data_is_corrupt_falls_back_to_the_step_before
   assert [_untimed(r) for r in read_metrics(copy / "metrics.jsonl")] == \
       [_untimed(r) for r in read_metrics(folder / "metrics.jsonl")]
   assert [_untimed(e) for e in summary["evals"]] == [_untimed(e) for e in summary_whole["evals"]]
+
+
+def test_a_real_transition_budget_is_spent_exactly(warm_start, twx, whole, tmp_path):
+  """The uncapped run spends 13 real transitions in 4 iterations; capped at 7, the iteration that would pass 7 steps
+  only what is left, its cut episodes are left out, and the run stops there with exactly 7 spent."""
+  import dataclasses
+
+  from dreamjax.commands.rl import run
+
+  (folder, summary_whole), out = whole, tmp_path / "capped"
+  assert summary_whole["real_transitions"] == 13
+  summary = run(dataclasses.replace(child.resume_config(warm_start, out), max_real_transitions=7), twx)
+  rows, full = read_metrics(out / "metrics.jsonl"), read_metrics(folder / "metrics.jsonl")
+  assert summary["real_transitions"] == 7 == rows[-1]["real_transitions"] and summary["iterations"] == len(rows) < 4
+  assert rows[-1]["budget_cut_episodes"] > 0 and all(r["budget_cut_episodes"] == 0 for r in rows[:-1])
+  # Up to the cut the run is the uncapped one.
+  assert [_untimed(r) for r in rows[:-1]] == [{k: v for k, v in _untimed(r).items() if k in rows[0]}
+                                               for r in full[:len(rows) - 1]]
+  assert summary["final"]["iteration"] == len(rows)

@@ -157,3 +157,23 @@ def test_budgets_keep_the_papers_ratios():
   assert small.dpo == 2 * small.sft and small.real_rl == 4 * small.sft and small.real_rl == 16 * small.s2r
   with pytest.raises(ValueError, match="budgets.s2r must be >= 0"):
     load_config("configs/reproduce_twx.py:tiny", ["budgets.s2r=-1"])
+
+
+def test_ppo_rows_take_the_ppo_configs_own_settings():
+  """PPO rows run PPO's objective, optimisers, epochs and separate critic (configs/ppo_real_twx.py), on the row's
+  env, tasks, rollout and budget; GRPO rows run the GRPO config as given."""
+  import dataclasses
+
+  from dreamjax.commands.reproduce import ALGORITHM_FIELDS, as_algorithm
+
+  cfg = load_config("configs/reproduce_twx.py:tiny")
+  grpo, ppo = as_algorithm(cfg.real, "grpo", cfg.ppo), as_algorithm(cfg.real, "ppo", cfg.ppo)
+  assert grpo == cfg.real
+  assert all(getattr(ppo, f) == getattr(cfg.ppo, f) for f in ALGORITHM_FIELDS)
+  assert ppo.critic.mode == "separate" and ppo.objective != cfg.real.objective and (ppo.gamma, ppo.lam) == (1.0, 1.0)
+  assert (ppo.env, ppo.train_tasks, ppo.rollout, ppo.iterations) == (cfg.real.env, cfg.real.train_tasks,
+                                                                     cfg.real.rollout, cfg.real.iterations)
+  default = as_algorithm(cfg.real, "ppo", None)  # no ppo section: verl-agent's PPO on the row's config
+  assert default.critic.optim.lr == 1e-5 and default.algorithm == "ppo"
+  with pytest.raises(ValueError, match="must be GRPO configs"):
+    as_algorithm(dataclasses.replace(cfg.real, **{f: getattr(cfg.ppo, f) for f in ALGORITHM_FIELDS}), "ppo", cfg.ppo)

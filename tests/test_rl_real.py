@@ -24,12 +24,14 @@ from dreamjax.data.records import read_trajectories
 from dreamjax.envs.base import SerialBatchEnv, Task
 from dreamjax.envs.textworld_express import TextWorldExpressEnv, tasks
 from dreamjax.loop.evaluate import evaluate, unparsed_rows, wilson_interval
+from dreamjax.loop.checkpoint import RunCheckpointer
 from dreamjax.loop.learner import PolicyLearner
-from dreamjax.loop.learner import RLConfig, TaskSpec, episode_returns, take_rows, zero_variance_groups
+from dreamjax.loop.learner import RLConfig, TaskSpec, as_ppo, episode_returns, take_rows, zero_variance_groups
 from dreamjax.loop.model import ModelSource, load_model
 from dreamjax.loop.track import read_metrics
 from dreamjax.models import init_params, load_hf_checkpoint
 from dreamjax.parallel import make_mesh
+from dreamjax.rl.critic import CriticConfig
 from dreamjax.rl.keys import PHASE_ROLLOUT, phase_key
 from dreamjax.rl.objectives import PolicyGradientConfig
 from dreamjax.rl.optim import OptimConfig
@@ -83,16 +85,17 @@ def warm_start(twx, tmp_path_factory):
 
 def _config(warm_start, out: Path, algorithm: str = "grpo", **kw) -> RLConfig:
   folder, _ = warm_start
-  if algorithm == "ppo":
-    kw = dict(objective=PolicyGradientConfig(vf_coef=0.5, log_entropy=True), advantage="gae_turn",
-              whiten_advantages=True, optim=OptimConfig(lr=1e-3, value_head_lr_multiplier=10.0), epochs=2, **kw)
-  base = dict(model=ModelSource(checkpoint=str(folder)), algorithm=algorithm,
-              objective=PolicyGradientConfig(kl_coef=0.05), env_kwargs=("step_limit=10",),
-              train_tasks=TaskSpec(("coin",), "train", 20, 6, TWO_ROOMS),
+  base = dict(model=ModelSource(checkpoint=str(folder)), objective=PolicyGradientConfig(kl_coef=0.05),
+              env_kwargs=("step_limit=10",), train_tasks=TaskSpec(("coin",), "train", 20, 6, TWO_ROOMS),
               eval_tasks=TaskSpec(("coin",), "dev", 0, 4, TWO_ROOMS), agent=FMT, rollout=ROLLOUT,
               tasks_per_iteration=2, optim=OptimConfig(lr=1e-3), rows_per_step=16, pad_to=400, score_batch=8,
               iterations=2, eval_every=1, eval_sampled=True, out_dir=str(out), seed=3, devices=1)
-  return RLConfig(**{**base, **kw})
+  cfg = RLConfig(**{**base, **kw})
+  if algorithm == "ppo":
+    # PPO as the paper ran it (`as_ppo`: a separate critic, GAE with gamma = lambda = 1, one epoch), with a critic
+    # rate that moves a tiny model in two iterations.
+    cfg = as_ppo(cfg, critic=CriticConfig(optim=OptimConfig(lr=1e-3, clip_norm=1.0)))
+  return cfg
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +119,7 @@ def _check_run(summary, out: Path, warm_start, algorithm: str):
   assert rows[0]["real_transitions"] > 0 and rows[1]["real_transitions"] > rows[0]["real_transitions"]
   # The update changed the parameters: the saved final policy differs from the warm start.
   _, warm = load_hf_checkpoint(warm_start[0])
-  _, final = load_hf_checkpoint(out / "final", value_head=algorithm == "ppo")
+  _, final = load_hf_checkpoint(out / "final")  # the policy (PPO's separate critic lives in the checkpoints)
   assert _params_differ({k: final[k] for k in warm}, warm) > 1e-4
   evals = [json.loads(line) for line in (out / "evals.jsonl").read_text().splitlines()]
   assert [e["iteration"] for e in evals] == [0, 1, 2] == [e["iteration"] for e in summary["evals"]]
@@ -150,8 +153,20 @@ def test_same_seed_same_metrics(grpo_runs):
 def test_ppo_run_trains_policy_and_critic(twx, warm_start, tmp_path):
   summary = run(_config(warm_start, tmp_path, "ppo"), twx)
   rows, final = _check_run(summary, tmp_path, warm_start, "ppo")
-  assert all(np.isfinite(r["vf_loss"]) and r["vf_loss"] > 0 for r in rows)
-  assert float(jnp.max(jnp.abs(final["value_head"]))) > 0  # the zero-initialised critic learned
+  assert "value_head" not in final  # the policy has none: the critic is a model of its own
+  for r in rows:
+    assert np.isfinite(r["vf_loss"]) and r["vf_loss"] > 0 and r["critic_grad_norm"] > 0
+    assert r["critic_lr"] == pytest.approx(1e-3) and r["critic_update_steps"] == r["update_steps"]
+    assert r["value_explained_variance"] <= 1 and r["kl"] >= 0
+  assert rows[0]["value_explained_variance"] == 0.0  # the zero-initialised head predicts nothing yet
+  # The last checkpoint holds the critic, which learned: its value head left zero and its backbone left the warm start.
+  with RunCheckpointer(tmp_path / "checkpoints") as ckpt:
+    arrays, _ = ckpt.restore()
+  critic = arrays["critic"]["params"]
+  assert "lm_head" not in critic and float(np.max(np.abs(critic["value_head"]))) > 0
+  _, warm = load_hf_checkpoint(warm_start[0])
+  backbone = [k for k in critic if k != "value_head"]
+  assert _params_differ({k: critic[k] for k in backbone}, {k: warm[k] for k in backbone}) > 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -298,7 +313,7 @@ def test_configs_load_and_bad_settings_are_clear_errors(tmp_path):
   with pytest.raises(ValueError, match="does not go with algorithm 'ppo'"):
     RLConfig(algorithm="ppo", objective=PolicyGradientConfig(vf_coef=0.5))
   with pytest.raises(ValueError, match="vf_coef > 0"):
-    RLConfig(algorithm="ppo", advantage="gae_turn")
+    RLConfig(algorithm="ppo", advantage="gae_turn", critic=CriticConfig(mode="shared_head"))
   with pytest.raises(ValueError, match="equal to objective.temperature"):
     RLConfig(rollout=dataclasses.replace(RLConfig().rollout, temperature=0.7))
   with pytest.raises(ValueError, match="multiple of micro_batches"):

@@ -20,7 +20,7 @@ from dreamjax.parallel import MeshConfig, make_mesh
 from dreamjax.parallel.sharding import TRAIN_RULES
 from dreamjax.rl.batch import TokenBatch, dpo_batch, sft_batch
 from dreamjax.rl.logprobs import LogpScorer, row_positions, score_len_for, token_logps
-from dreamjax.rl.objectives import PolicyGradientConfig, make_objective
+from dreamjax.rl.objectives import PolicyGradientConfig, ValueLossConfig, make_objective
 from dreamjax.rl.optim import OptimConfig, make_optimizer, make_schedule
 from dreamjax.rl.train_state import create_train_state
 from dreamjax.rl.update import make_train_step
@@ -396,8 +396,16 @@ def test_dpo_accumulation_keeps_pairs_whole(params):
     np.testing.assert_allclose(results[1][1][key], results[0][1][key], rtol=1e-5, atol=1e-7)
 
 
-def test_objective_registry_and_config_errors():
+def test_objective_registry_and_config_errors(params):
   assert make_objective("grpo").config.kl_coef > 0 and make_objective("ppo").config.vf_coef > 0
+  assert make_objective("critic").config == ValueLossConfig(clip=0.5, agg="token_mean")
+  with pytest.raises(ValueError, match="trains a critic but the model has no value head"):
+    make_train_step(CFG, make_objective("critic"), _OPTIMIZERS["adam"])
+  with pytest.raises(ValueError, match="ValueLossConfig.clip must be > 0"):
+    ValueLossConfig(clip=0.0)
+  tokens = np.ones((1, 2), np.int32)
+  with pytest.raises(ValueError, match=r"values_only=True\) needs a model with a value head"):
+    Transformer(CFG).apply({"params": params}, tokens, tokens, tokens > 0, values_only=True)
   with pytest.raises(ValueError, match="unknown objective 'reinforce'"):
     make_objective("reinforce")
   with pytest.raises(ValueError, match="agg must be one of"):

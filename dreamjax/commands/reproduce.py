@@ -38,7 +38,7 @@ from dreamjax.data.collect import CollectConfig
 from dreamjax.data.jsonl import read_jsonl
 from dreamjax.data.records import read_trajectory_files
 from dreamjax.loop.evaluate import EvalConfig, wilson_interval
-from dreamjax.loop.learner import RLConfig, TaskSpec
+from dreamjax.loop.learner import RLConfig, TaskSpec, as_ppo
 from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.plots import success_bars
 from dreamjax.loop.results import ABLATIONS, ablation_method, budget_text
@@ -69,7 +69,10 @@ class ReproduceConfig:
   exp: ExpSftConfig = ExpSftConfig()
   sft: PolicySftConfig = PolicySftConfig()
   dpo: DpoConfig | None = None
-  real: RLConfig | None = None  # the real-env baseline's settings (its algorithm is replaced per `algorithms`)
+  real: RLConfig | None = None  # the real-env GRPO baseline's settings (PPO rows take `ppo`'s algorithm settings)
+  # PPO's own settings (objective, optimisers, epochs, critic, GAE: ALGORITHM_FIELDS) for every PPO row; the row keeps
+  # its env, tasks, agent format, rollout and budgets. None: `as_ppo` on the row's GRPO config.
+  ppo: RLConfig | None = None
   dreamgym: DreamGymConfig | None = None
   algorithms: tuple[str, ...] = ("grpo",)  # run for real-env RL, DreamGym and S2R
   budgets: Budgets = Budgets()
@@ -144,16 +147,21 @@ def for_slow_env(cfg: ReproduceConfig, *, iterations: int, group_size: int, chec
       real=cfg.real and rl(cfg.real), dreamgym=cfg.dreamgym and dataclasses.replace(cfg.dreamgym, rl=rl(cfg.dreamgym.rl)),
       eval=dataclasses.replace(cfg.eval, sampled=False))
 
-def as_algorithm(rl: RLConfig, algorithm: str) -> RLConfig:
-  """`rl` with PPO's or GRPO's advantage and objective settings (PPO: a critic on a value head, GAE over turns)."""
-  if algorithm == rl.algorithm:
-    return rl
+# The fields that make a run PPO rather than GRPO: what a PPO row takes from `ReproduceConfig.ppo`.
+ALGORITHM_FIELDS = ("algorithm", "objective", "critic", "advantage", "gamma", "lam", "normalize_std",
+                    "whiten_advantages", "drop_zero_variance_groups", "optim", "epochs")
+
+
+def as_algorithm(rl: RLConfig, algorithm: str, ppo: RLConfig | None) -> RLConfig:
+  """The row's RL config (a GRPO config) for `algorithm`: GRPO as given; PPO with `ppo`'s algorithm settings (or
+  `as_ppo`'s when None), so PPO rows run PPO's own objective, optimisers, epochs and critic rather than GRPO's."""
+  if rl.algorithm != "grpo":
+    raise ValueError(f"ReproduceConfig: the real and dreamgym.rl sections must be GRPO configs (got {rl.algorithm!r}); "
+                     f"PPO rows take their settings from `ppo`")
   if algorithm == "grpo":
-    return dataclasses.replace(rl, algorithm="grpo", advantage="grpo", gamma=1.0, lam=1.0, whiten_advantages=False,
-                               objective=dataclasses.replace(rl.objective, vf_coef=0.0))
-  return dataclasses.replace(rl, algorithm="ppo", advantage="gae_turn", gamma=0.95, lam=0.95, whiten_advantages=True,
-                             objective=dataclasses.replace(rl.objective, vf_coef=rl.objective.vf_coef or 0.5),
-                             drop_zero_variance_groups=False)
+    return rl
+  source = ppo if ppo is not None else as_ppo(rl)
+  return dataclasses.replace(rl, **{f: getattr(source, f) for f in ALGORITHM_FIELDS})
 
 
 def _stage(folder: Path, marker: str, fn: Callable[[], Any]) -> dict[str, Any]:
@@ -226,7 +234,7 @@ def _reproduce(cfg: ReproduceConfig, out: Path) -> dict[str, Any]:
     return {"kind": "online", "cap": cap}  # spent: the runs' mean real transitions (`row`)
 
   def real_rl(alg: str, checkpoint: str, s: int, folder: Path, budget: int) -> RLConfig:
-    rl = as_algorithm(cfg.real, alg)
+    rl = as_algorithm(cfg.real, alg, cfg.ppo)
     return dataclasses.replace(rl, model=dataclasses.replace(rl.model, checkpoint=checkpoint), seed=s,
                                out_dir=str(folder), max_real_transitions=budget)
 
@@ -238,7 +246,8 @@ def _reproduce(cfg: ReproduceConfig, out: Path) -> dict[str, Any]:
 
   def dream(alg: str, s: int, folder: Path, exp: str, **kw) -> DreamGymConfig:
     d = cfg.dreamgym
-    rl = dataclasses.replace(as_algorithm(d.rl, alg), model=dataclasses.replace(d.rl.model, checkpoint=sft), seed=s)
+    rl = dataclasses.replace(as_algorithm(d.rl, alg, cfg.ppo), model=dataclasses.replace(d.rl.model, checkpoint=sft),
+                             seed=s)
     return dataclasses.replace(d, rl=rl, exp_model=exp, offline_data=(str(data),), out_dir=str(folder), **kw)
 
   if cfg.dreamgym is not None:

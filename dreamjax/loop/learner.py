@@ -4,15 +4,23 @@ draw): its config, the seeded task draw, and `PolicyLearner`, which runs one ite
 One iteration (`PolicyLearner.iteration`):
 1. roll out G episodes per task through the `RolloutEngine` (token-in/token-out turn rows, one fresh bounded prompt
    per turn, so memory does not grow with episode length);
-2. score the rows under the frozen reference policy (GRPO's KL term) and, for PPO, the critic's values under the
-   current policy;
+2. score the rows under the frozen reference policy (the KL term) and, for PPO, the critic's values;
 3. build the `TokenBatch` (`rl_batch`: GRPO group-normalised returns, or GAE over turns for PPO; the invalid-action
    penalty subtracted from invalid turns); only sampled action tokens carry loss weight, never observation tokens;
 4. update: `epochs` passes over the rows, each cut into optimizer steps of a fixed `rows_per_step` rows (balanced, the
    last padded with empty rows) and a length rounded up to `pad_to`, so the jitted step compiles once per length
-   bucket; `micro_batches` splits a step for memory on long contexts.
+   bucket; `micro_batches` splits a step for memory on long contexts. PPO's separate critic then takes its own
+   passes (its `epochs`, `rows_per_step`, or the policy's) with its own step and optimizer.
 Its metrics include `env_steps`: answers that parsed and were sent to the env (`evaluate.unparsed_rows`; an
 unparseable answer costs no env step). The loop counts them as real or synthetic transitions by the env's kind.
+
+PPO's critic (`RLConfig.critic`, `dreamjax.rl.critic`). "separate" (the default, as verl): a value model initialised
+from the policy's checkpoint, with its own optimizer (lr 1e-5), clipped value loss and `TrainState`, laid out like the
+policy and checkpointed with it; the policy's objective then has no value term (`objective.vf_coef` is not used).
+"shared_head": a value head on the policy trained through `objective.vf_coef` (the earlier behaviour). Either way the
+iteration logs `value_explained_variance` of the values GAE used; the separate critic adds `vf_loss`,
+`critic_grad_norm`, `critic_lr` and its own skip counts (`critic_skipped_updates`, `critic_nonfinite_streak`).
+`as_ppo` gives an RLConfig PPO as the paper ran it (verl-agent's PPO on verl's defaults; configs/ppo_real_twx.py).
 
 Non-finite updates. An optimizer step whose loss or gradient is not finite (a NaN advantage, an overflow) is skipped
 inside the jitted step (`dreamjax.rl.update`): parameters and optimizer state stay as they were. The iteration's
@@ -50,7 +58,8 @@ from dreamjax.loop.track import echo
 from dreamjax.models import ModelConfig, tiny
 from dreamjax.parallel import TRAIN_RULES, check_same
 from dreamjax.rl.batch import TokenBatch, rl_batch
-from dreamjax.rl.keys import PHASE_EVAL, PHASE_ROLLOUT, PHASE_SHUFFLE, PHASE_UPDATE, phase_key
+from dreamjax.rl.critic import Critic, CriticConfig, critic_metrics, explained_variance
+from dreamjax.rl.keys import PHASE_CRITIC, PHASE_EVAL, PHASE_ROLLOUT, PHASE_SHUFFLE, PHASE_UPDATE, phase_key
 from dreamjax.rl.logprobs import LogpScorer
 from dreamjax.rl.objectives import Objective, PolicyGradientConfig
 from dreamjax.rl.optim import OptimConfig, make_optimizer
@@ -87,9 +96,11 @@ class RLConfig(RunConfig):
                                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                                              max_position_embeddings=1024))
   algorithm: str = "grpo"  # grpo | ppo
-  # GRPO: clipped surrogate + low-variance KL to the frozen warm start. PPO: set vf_coef > 0 (critic on a value head).
+  # GRPO: clipped surrogate + low-variance KL to the frozen warm start. PPO with a shared-head critic: set vf_coef > 0
+  # (a separate critic has its own loss; vf_coef is then not used).
   # Its temperature must equal rollout.temperature (ratios compare the distributions the rollout sampled from).
   objective: PolicyGradientConfig = PolicyGradientConfig(kl_coef=0.02, kl_kind="low_var_kl")
+  critic: CriticConfig = CriticConfig()  # PPO only: a separate value model (default) or a head on the policy
   advantage: str = "grpo"  # grpo (with algorithm grpo) | gae_turn | gae_token (with algorithm ppo)
   gamma: float = 1.0  # GAE discount per turn (gae_turn) or per token (gae_token)
   lam: float = 1.0
@@ -117,7 +128,8 @@ class RLConfig(RunConfig):
   eval_batch: int = 0  # episodes per evaluation batch; 0: B * G
   eval_sampled: bool = False  # also evaluate at the rollout temperature (one sampled episode per task)
   out_dir: str = "runs/rl_real"
-  # Stop after the iteration that reaches this many real transitions (DreamGym-S2R's budget); 0: no budget.
+  # Real transitions the run may spend in training (DreamGym-S2R's budget, real-env RL's); 0: no budget. Exact: the
+  # iteration that reaches it steps only what is left, and the run stops there.
   max_real_transitions: int = 0
   checkpoint_every: int = 10  # iterations between checkpoints (also after the last); 0: only after the last
   keep_checkpoints: int = 3  # the last N checkpoints are kept
@@ -130,8 +142,9 @@ class RLConfig(RunConfig):
     if self.advantage not in ALGORITHMS[self.algorithm]:
       raise ValueError(f"RLConfig.advantage {self.advantage!r} does not go with algorithm {self.algorithm!r} "
                        f"(expected one of {ALGORITHMS[self.algorithm]})")
-    if self.algorithm == "ppo" and self.objective.vf_coef <= 0:
-      raise ValueError("RLConfig: algorithm 'ppo' trains its critic through the value loss; set objective.vf_coef > 0")
+    if self.algorithm == "ppo" and self.critic.mode == "shared_head" and self.objective.vf_coef <= 0:
+      raise ValueError("RLConfig: a shared-head critic (critic.mode 'shared_head') trains through the policy's value "
+                       "loss; set objective.vf_coef > 0")
     if self.rollout.temperature <= 0 or self.objective.temperature != self.rollout.temperature:
       raise ValueError(f"RLConfig: rollout.temperature ({self.rollout.temperature}) must be > 0 and equal to "
                        f"objective.temperature ({self.objective.temperature}); set both")
@@ -146,12 +159,57 @@ class RLConfig(RunConfig):
     if self.rows_per_step % self.micro_batches:
       raise ValueError(f"RLConfig.rows_per_step ({self.rows_per_step}) must be a multiple of micro_batches "
                        f"({self.micro_batches})")
+    if self.separate_critic:
+      rows, micro = self.critic.rows_per_step or self.rows_per_step, self.critic.micro_batches or self.micro_batches
+      if rows % micro:
+        raise ValueError(f"RLConfig.critic: rows_per_step ({rows}) must be a multiple of micro_batches ({micro}) "
+                         "(0 takes the policy's)")
     parse_env_kwargs(self.env_kwargs)
 
   @property
   def rows(self) -> int:
     """Episodes stepped together: B * G for training, eval_batch for evaluation."""
     return max(self.tasks_per_iteration * self.rollout.group_size, self.eval_batch)
+
+  @property
+  def separate_critic(self) -> bool:
+    """PPO with a value model of its own (`critic.mode` "separate")."""
+    return self.algorithm == "ppo" and self.critic.mode == "separate"
+
+  @property
+  def shared_head(self) -> bool:
+    """PPO with the value head on the policy (`critic.mode` "shared_head")."""
+    return self.algorithm == "ppo" and self.critic.mode == "shared_head"
+
+
+def as_ppo(rl: RLConfig, **overrides) -> RLConfig:
+  """`rl`'s env, tasks, agent format, rollout, batch sizes and policy optimizer with PPO as the paper ran it: the
+  paper reports no PPO hyperparameters and follows verl-agent, whose PPO examples (examples/ppo_trainer/
+  run_alfworld.sh, run_webshop.sh) run verl's PPO defaults (verl/trainer/config/ppo_trainer.yaml) with the overrides
+  noted below. `overrides` replace any RLConfig field after that (e.g. out_dir). configs/ppo_real_twx.py is this on
+  the GRPO config's env; `dreamjax reproduce` can take its PPO rows from it."""
+  ppo = dict(
+      algorithm="ppo",
+      # actor.clip_ratio 0.2 both ways (verl; no clip-higher); loss_agg_mode token-mean; the examples set
+      # actor.use_kl_loss=True, kl_loss_coef=0.01, kl_loss_type=low_var_kl (and use_kl_in_reward=False). No entropy
+      # bonus, as the GRPO config (verl-agent's yaml has entropy_coeff 0.001, which neither config takes).
+      objective=PolicyGradientConfig(clip_low=0.2, clip_high=0.2, kl_coef=0.01, kl_kind="low_var_kl",
+                                     entropy_coef=0.0, agg="token_mean", temperature=rl.rollout.temperature),
+      # algorithm.adv_estimator=gae with verl's algorithm.gamma = algorithm.lam = 1.0 (the examples keep them). Over
+      # turns, one value per turn (at its last prompt token): this repo's choice for turn rows; gae_token is per token.
+      advantage="gae_turn",
+      gamma=1.0,
+      lam=1.0,
+      whiten_advantages=True,  # verl's compute_gae_advantage_return whitens the advantages over the batch
+      drop_zero_variance_groups=False,  # GRPO's filter; PPO's GAE has no groups
+      # actor.ppo_epochs 1 (verl's default; the examples and the paper set none); the critic follows it.
+      epochs=1,
+      # A separate critic from the same checkpoint: critic.optim.lr=1e-5 (the examples; verl's default too),
+      # weight decay 0.01, no warmup, grad_clip 1.0, cliprange_value 0.5 (verl's defaults); critic_warmup 0.
+      critic=CriticConfig(mode="separate", optim=OptimConfig(lr=1e-5, clip_norm=1.0, weight_decay=0.01),
+                          value_clip=0.5),
+  )
+  return dataclasses.replace(rl, **{**ppo, **overrides})
 
 
 def episode_returns(traj: Trajectories, invalid_penalty: float) -> np.ndarray:
@@ -164,9 +222,9 @@ def episode_returns(traj: Trajectories, invalid_penalty: float) -> np.ndarray:
 
 def zero_variance_groups(traj: Trajectories, returns: np.ndarray) -> np.ndarray:
   """bool [num groups]: all episodes of the group have the same return (GRPO gives them zero advantage), counting
-  only episodes the env did not fail on (a group with fewer than two such episodes compares nothing either)."""
+  only episodes the update keeps (`traj.left_out`: a group with fewer than two such episodes compares nothing either)."""
   groups = int(traj.group.max()) + 1
-  ok = ~traj.env_error
+  ok = ~traj.left_out
   hi = np.full(groups, -np.inf)
   lo = np.full(groups, np.inf)
   np.maximum.at(hi, traj.group[ok], returns[ok])
@@ -192,6 +250,11 @@ def take_rows(batch: TokenBatch, rows: np.ndarray, num_rows: int, pad_to: int) -
     return out[:, :length] if x.ndim == 2 else out
 
   return jax.tree.map(take, batch)
+
+
+def value_metrics(batch: TokenBatch) -> dict[str, float]:
+  """How well the values GAE used (`old_values`) explain the returns, over the batch's loss tokens."""
+  return {"value_explained_variance": explained_variance(batch.returns, batch.old_values, batch.loss_mask)}
 
 
 def update_metrics(per_step: list[dict[str, float]]) -> dict[str, float]:
@@ -222,7 +285,9 @@ class PolicyLearner:
 
   def __init__(self, cfg: RLConfig, model_cfg: ModelConfig, params, tokenizer: Tokenizer, mesh=None):
     self.cfg, self.model_cfg, self.tokenizer, self.mesh = cfg, model_cfg, tokenizer, mesh
-    self.objective = Objective(cfg.algorithm, cfg.objective)
+    # A separate critic carries the value loss; the policy's objective has none.
+    self.objective = Objective(cfg.algorithm, dataclasses.replace(cfg.objective, vf_coef=0.0)
+                               if cfg.separate_critic else cfg.objective)
     optimizer = make_optimizer(cfg.optim)
     self.step = make_train_step(model_cfg, self.objective, optimizer, micro_batches=cfg.micro_batches, mesh=mesh)
     if cfg.rows_per_step % self.step.row_multiple:
@@ -230,6 +295,12 @@ class PolicyLearner:
                        f"data-parallel size ({self.step.row_multiple})")
     # A copy: the train step donates the state's buffers, which must not be the reference's.
     self.ref_params = jax.tree.map(jnp.copy, params) if self.objective.config.kl_coef else None
+    # The critic copies the policy's initial weights (the same checkpoint) before the policy's state takes them.
+    self.critic = Critic(cfg.critic, model_cfg, params, agg=cfg.objective.agg, epochs=cfg.critic.epochs or cfg.epochs,
+                         rows_per_step=cfg.critic.rows_per_step or cfg.rows_per_step,
+                         micro_batches=cfg.critic.micro_batches or cfg.micro_batches, score_batch=cfg.score_batch,
+                         pad_to=cfg.pad_to, max_nonfinite_updates=cfg.max_nonfinite_updates, mesh=mesh) \
+        if cfg.separate_critic else None
     self.state = create_train_state(model_cfg, params, optimizer, mesh)
     self.engine = RolloutEngine(model_cfg, tokenizer, cfg.agent, cfg.rollout, mesh=mesh)
     # One jitted sampler serves rollouts and evaluation, so evaluation batches of B * G rows reuse its compilation.
@@ -240,8 +311,7 @@ class PolicyLearner:
                                              sampler=self.engine.sampler)
     score = dict(temperature=cfg.rollout.temperature, pad_to=cfg.pad_to, mesh=mesh, rules=TRAIN_RULES)
     self.ref_scorer = LogpScorer(model_cfg, cfg.score_batch, **score) if self.ref_params is not None else None
-    self.value_scorer = LogpScorer(model_cfg, cfg.score_batch, with_values=True, **score) \
-        if cfg.algorithm == "ppo" else None
+    self.value_scorer = LogpScorer(model_cfg, cfg.score_batch, with_values=True, **score) if cfg.shared_head else None
     self.root = jax.random.key(cfg.seed)
     self.skips = SkipCounter(cfg.max_nonfinite_updates, "RL update")
 
@@ -250,10 +320,13 @@ class PolicyLearner:
     return self.state.params
 
   def checkpoint_arrays(self) -> dict[str, Any]:
-    """The learner's arrays a checkpoint holds: train state, frozen reference (when the KL term has one), root key."""
+    """The learner's arrays a checkpoint holds: train state, frozen reference (when the KL term has one), the separate
+    critic's train state (PPO), root key."""
     arrays = {"state": self.state, "root": self.root}
     if self.ref_params is not None:
       arrays["ref_params"] = self.ref_params
+    if self.critic is not None:
+      arrays["critic"] = self.critic.state
     return arrays
 
   def load_checkpoint_arrays(self, arrays: dict[str, Any]) -> None:
@@ -261,6 +334,8 @@ class PolicyLearner:
     self.state, self.root = arrays["state"], arrays["root"]
     if self.ref_params is not None:
       self.ref_params = arrays["ref_params"]
+    if self.critic is not None:
+      self.critic.state = arrays["critic"]
 
   def sampling_params(self):
     """The policy's parameters laid out as the sampler wants them (sampling may shard differently from training)."""
@@ -282,37 +357,67 @@ class PolicyLearner:
       # GAE reads values on the loss tokens only, and no log-probs: an all-zero mask skips the vocabulary projection.
       _, values = self.value_scorer(self.state.params, traj.tokens, None, valid, mask=np.zeros_like(valid))
       times["values_s"] = time.perf_counter() - t0
+    elif self.critic is not None:
+      t0 = time.perf_counter()
+      values = self.critic.values(traj.tokens, valid)
+      times["values_s"] = time.perf_counter() - t0
     batch = rl_batch(traj, advantage=cfg.advantage, values=values, ref_logp=ref_logp,
                      invalid_penalty=cfg.invalid_penalty, gamma=cfg.gamma, lam=cfg.lam,
                      normalize_std=cfg.normalize_std, whiten_advantages=cfg.whiten_advantages, pad_to=cfg.pad_to)
     return batch, times
+
+  def minibatches(self, batch: TokenBatch, rows: np.ndarray, iteration: int, epochs: int, rows_per_step: int):
+    """`epochs` passes over `rows` of `batch`, each in a seeded order cut into balanced steps of `rows_per_step` rows
+    (so the policy and a critic with the same settings see the same steps)."""
+    cfg = self.cfg
+    for epoch in range(epochs if len(rows) else 0):
+      order = np.random.default_rng((cfg.seed, PHASE_SHUFFLE, iteration, epoch)).permutation(rows)
+      for part in np.array_split(order, -(-len(order) // rows_per_step)):
+        yield take_rows(batch, part, rows_per_step, cfg.pad_to)
 
   def update(self, batch: TokenBatch, rows: np.ndarray, iteration: int) -> dict[str, float]:
     """`epochs` passes over `rows` of `batch` in balanced optimizer steps of `rows_per_step` rows; mean metrics."""
     cfg = self.cfg
     key = phase_key(self.root, iteration, PHASE_UPDATE)
     per_step: list[dict[str, float]] = []
-    for epoch in range(cfg.epochs if len(rows) else 0):
-      order = np.random.default_rng((cfg.seed, PHASE_SHUFFLE, iteration, epoch)).permutation(rows)
-      for part in np.array_split(order, -(-len(order) // cfg.rows_per_step)):
-        mb = take_rows(batch, part, cfg.rows_per_step, cfg.pad_to)
-        self.state, metrics = self.step(self.state, mb, jax.random.fold_in(key, len(per_step)))
-        per_step.append({k: float(v) for k, v in jax.device_get(metrics).items()})
-        if per_step[-1]["skipped"]:
-          echo(f"iteration {iteration + 1}: update step {len(per_step)} skipped: non-finite loss "
-               f"{per_step[-1]['loss']} or gradient norm {per_step[-1]['grad_norm']}; parameters unchanged")
-        self.skips.add(metrics, f"iteration {iteration + 1}, update step {len(per_step)}")
-        self.skips.check()
+    for mb in self.minibatches(batch, rows, iteration, cfg.epochs, cfg.rows_per_step):
+      self.state, metrics = self.step(self.state, mb, jax.random.fold_in(key, len(per_step)))
+      per_step.append({k: float(v) for k, v in jax.device_get(metrics).items()})
+      if per_step[-1]["skipped"]:
+        echo(f"iteration {iteration + 1}: update step {len(per_step)} skipped: non-finite loss "
+             f"{per_step[-1]['loss']} or gradient norm {per_step[-1]['grad_norm']}; parameters unchanged")
+      self.skips.add(metrics, f"iteration {iteration + 1}, update step {len(per_step)}")
+      self.skips.check()
     if not per_step:
       return {"update_steps": 0}
     return {**update_metrics(per_step), "skipped_updates": int(sum(m["skipped"] for m in per_step)),
             "nonfinite_streak": self.skips.streak}
 
-  def iteration(self, env: BatchEnv, tasks: list[Task], iteration: int) -> tuple[dict[str, Any], Trajectories]:
-    """Rolls out G episodes of each task against `env` (real or synthetic), updates; (metrics, the rollout)."""
+  def update_critic(self, batch: TokenBatch, rows: np.ndarray, iteration: int) -> dict[str, float]:
+    """The separate critic's passes over `rows` of `batch` (its epochs and step size) on the value loss; metrics.
+    Non-finite steps are skipped and counted as the policy's are, on the critic's own counter."""
+    critic = self.critic
+    key = phase_key(self.root, iteration, PHASE_CRITIC)
+    per_step: list[dict[str, float]] = []
+    for mb in self.minibatches(batch, rows, iteration, critic.epochs, critic.rows_per_step):
+      critic.state, metrics = critic.step(critic.state, mb, jax.random.fold_in(key, len(per_step)))
+      per_step.append({k: float(v) for k, v in jax.device_get(metrics).items()})
+      if per_step[-1]["skipped"]:
+        echo(f"iteration {iteration + 1}: critic step {len(per_step)} skipped: non-finite value loss "
+             f"{per_step[-1]['loss']} or gradient norm {per_step[-1]['grad_norm']}; critic unchanged")
+      critic.skips.add(metrics, f"iteration {iteration + 1}, critic step {len(per_step)}")
+      critic.skips.check()
+    if not per_step:
+      return {"critic_update_steps": 0}
+    return {**critic_metrics(per_step), "critic_nonfinite_streak": critic.skips.streak}
+
+  def iteration(self, env: BatchEnv, tasks: list[Task], iteration: int, max_env_steps: int = 0
+                ) -> tuple[dict[str, Any], Trajectories]:
+    """Rolls out G episodes of each task against `env` (real or synthetic), updates; (metrics, the rollout).
+    `max_env_steps` (0: none) caps the rollout's env steps exactly (`RolloutEngine.run`): a budget's last iteration."""
     cfg, t_start = self.cfg, time.perf_counter()
     traj = self.engine.run(self.sampling_params(), env, tasks, phase_key(self.root, iteration, PHASE_ROLLOUT),
-                           iteration)
+                           iteration, max_env_steps=max_env_steps)
     stats = traj.stats
     # Each process stepped its own envs; the update below assumes they all hold this same rollout.
     check_same(f"the rollout of iteration {iteration}", traj.tokens, traj.reward, traj.done, traj.invalid)
@@ -320,17 +425,23 @@ class PolicyLearner:
     batch, times = self.build_batch(traj)
     returns = episode_returns(traj, cfg.invalid_penalty)
     flat = zero_variance_groups(traj, returns)
-    keep = ~traj.env_error[traj.episode]  # rl_batch gives them no loss anyway; this spares their compute
+    keep = ~traj.left_out[traj.episode]  # rl_batch gives them no loss anyway; this spares their compute
     if cfg.drop_zero_variance_groups and cfg.algorithm == "grpo":
       keep &= ~flat[traj.group[traj.episode]]
     t0 = time.perf_counter()
     metrics = self.update(batch, np.flatnonzero(keep), iteration)
     times["update_s"] = time.perf_counter() - t0
-    ok = ~traj.env_error  # episodes the env failed on measure nothing: rates are over the others
+    if self.critic is not None:
+      t0 = time.perf_counter()
+      metrics.update(self.update_critic(batch, np.flatnonzero(keep), iteration))
+      times["critic_update_s"] = time.perf_counter() - t0
+    if cfg.algorithm == "ppo":
+      metrics.update(value_metrics(batch))
+    ok = ~traj.left_out  # episodes the env failed on or the budget cut measure nothing: rates are over the others
     metrics.update(
         rollout_success=_mean(traj.success[ok]), rollout_reward=_mean(traj.episode_reward[ok]),
         rollout_return=_mean(returns[ok]), zero_variance_group_frac=float(flat.mean()),
-        env_errors=int(traj.env_error.sum()),
+        env_errors=int(traj.env_error.sum()), budget_cut_episodes=int(traj.budget_cut.sum()),
         rows=traj.num_rows, rows_updated=int(keep.sum()), mean_turns=float(traj.num_turns.mean()),
         invalid_rate=float((traj.invalid & ~unparsed).sum() / max(1, (~unparsed).sum())),
         parse_failure_rate=float(unparsed.mean()), truncated_rate=float(1 - traj.ended.mean()),
@@ -354,7 +465,8 @@ def load_policy(cfg: RLConfig, out: Path, resuming: bool, env: BatchEnv, pool: l
                 ) -> tuple[Path, ModelConfig, Any, Tokenizer]:
   """(HF folder, model config, params, tokenizer) of the policy: `cfg.model.checkpoint`, or a tiny model built in
   out/init_model with a tokenizer trained on the tasks' first observations (a fresh run builds it anew; a resumed run
-  loads the one it first built). PPO adds a zero-initialised value head where the checkpoint has none."""
+  loads the one it first built). PPO with a shared-head critic adds a zero-initialised value head where the checkpoint
+  has none (a separate critic adds its own, `dreamjax.rl.critic`)."""
   return prepare_model(cfg.model, out / "init_model", lambda: tokenizer_texts(cfg.agent, env, pool, cfg.rows),
-                       seed=cfg.seed, mesh=mesh, value_head=cfg.algorithm == "ppo", rebuild=not resuming,
+                       seed=cfg.seed, mesh=mesh, value_head=cfg.shared_head, rebuild=not resuming,
                        overrides=cfg.model.overrides())

@@ -7,7 +7,8 @@ write-back, curriculum update, task generation), whose metrics join the learner'
 counted as synthetic transitions when the env says it is synthetic (`env.synthetic`, SyntheticEnv) and as real ones
 otherwise, so nothing zeroes a counter after the fact. Every `eval_every` iterations (and before the first and after
 the last) the policy is evaluated greedily on held-out tasks of `eval_env`, always a real env, with the transitions
-spent so far; `max_real_transitions` stops the run after the iteration that reaches it (DreamGym-S2R's budget).
+spent so far; `max_real_transitions` is an exact budget for a real env: the iteration that would pass it steps only
+what is left (`RolloutEngine.run`'s `max_env_steps`; cut episodes are left out of the update) and the run stops there.
 
 Outputs in `out_dir`: config.json, metrics.jsonl (one row per iteration), evals.jsonl (each evaluation with per-task
 outcomes), summary.json, learning_curve.svg (held-out success against iterations and transitions), metrics.svg
@@ -237,7 +238,9 @@ def run_iterations(run: Run, learner: PolicyLearner, tasks: TaskSource, env: Bat
         last = it + 1
         for hook in hooks:
           hook.before_iteration(it)
-        metrics, traj = learner.iteration(env, tasks.draw(it), it)
+        left = cfg.max_real_transitions - counts["real_transitions"] if cfg.max_real_transitions and \
+            kind == "real_transitions" else 0
+        metrics, traj = learner.iteration(env, tasks.draw(it), it, max_env_steps=left)
         counts[kind] += metrics["env_steps"]
         for hook in hooks:
           metrics.update(hook.after_iteration(it, traj, metrics))

@@ -51,7 +51,7 @@ class KVCache:
 
 @flax.struct.dataclass
 class ModelOutput:
-  logits: Float[Array, "B T V"]  # float32; T is 1 when `last_only`
+  logits: Float[Array, "B T V"] | None  # float32; T is 1 when `last_only`; None with `values_only`
   values: Float[Array, "B T"] | None  # value head output, float32, or None without a value head
   cache: KVCache | None
   hidden: Float[Array, "B T E"] | None = None  # final hidden states after the final norm, with `return_hidden`
@@ -204,12 +204,17 @@ class Transformer(nn.Module):
       cache_index: Int[Array, ""] | int = 0,
       last_only: bool = False,
       return_hidden: bool = False,
+      values_only: bool = False,
   ) -> ModelOutput:
     """`key_valid` marks valid key slots: [B, T] without a cache, [B, cache.slots] with one (new tokens included).
 
     `return_hidden` also returns the final-norm hidden states (what the LM head reads), e.g. for pooled text
-    embeddings; under jit, a caller that uses only them lets XLA drop the vocabulary projection."""
+    embeddings; under jit, a caller that uses only them lets XLA drop the vocabulary projection.
+    `values_only` skips the LM head (logits None) and never reads an `lm_head` parameter: a critic
+    (`dreamjax.rl.critic`) is this model without one, which spares its weights and their optimizer moments."""
     cfg = self.config
+    if values_only and not cfg.value_head:
+      raise ValueError("Transformer(values_only=True) needs a model with a value head (ModelConfig.value_head=True)")
     dt = jnp.dtype(cfg.dtype)
     embedding = _param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"))
     x = constrain(jnp.take(embedding, tokens, axis=0).astype(dt), ("batch", "seq", "act_embed"))
@@ -230,12 +235,14 @@ class Transformer(nn.Module):
     if last_only:
       x = x[:, -1:]
     x = RMSNorm(cfg, name="final_norm")(x)
-    if cfg.tie_word_embeddings:
-      head = embedding.T
-    else:
-      head = _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
-    logits = jnp.einsum("bte,ev->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
-    logits = constrain(logits, ("batch", "seq", "act_vocab"))
+    logits = None
+    if not values_only:
+      if cfg.tie_word_embeddings:
+        head = embedding.T
+      else:
+        head = _param(self, "lm_head", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
+      logits = jnp.einsum("bte,ev->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
+      logits = constrain(logits, ("batch", "seq", "act_vocab"))
     values = None
     if cfg.value_head:
       w = _param(self, "value_head", (cfg.hidden_size,), ("embed",), nn.initializers.zeros)

@@ -110,8 +110,9 @@ def rl_batch(
     turn's first action token, i.e. the value head at its last prompt token); turn t's advantage goes to all its
     action tokens, and its return (advantage + value) is the value target of those tokens.
   - "gae_token": GAE over the episode's action tokens in order, each turn's reward on its last action token.
-  Episodes the env failed on (`traj.env_error`) are left out: no loss on their tokens, and not part of their
-  group's statistics. Episodes the env ended are terminal; an episode cut short by a budget bootstraps with the critic's value of its
+  Episodes the env failed on, or an exact env-step budget cut before their last answer was executed
+  (`traj.left_out`), are left out: no loss on their tokens, and not part of their group's statistics. Episodes the
+  env ended are terminal; an episode cut short by its turn or token budget bootstraps with the critic's value of its
   last turn (gae_turn) or last action token (gae_token): the state after it has no row, so that value is the nearest
   estimate. `values` [M, T] are aligned values from `LogpScorer(with_values=True)` on the trajectory rows.
   `old_logp` defaults to the rollout's own log-probs; `ref_logp` to zeros (no KL term).
@@ -121,7 +122,7 @@ def rl_batch(
   m, t = traj.tokens.shape
   if values is None and advantage != "grpo":
     raise ValueError(f"rl_batch: advantage {advantage!r} needs critic `values` [M, T] for the trajectory rows")
-  kept = ~np.asarray(traj.env_error, bool)
+  kept = ~traj.left_out
   loss_mask = np.asarray(traj.loss_mask, np.float32) * kept[traj.episode][:, None]
   turn_reward = np.asarray(traj.reward, np.float32) - invalid_penalty * np.asarray(traj.invalid, np.float32)
   values = None if values is None else _check_rows("values", values, (m, t))

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import jax
 
-# The policy learner (any env).
-PHASE_ROLLOUT, PHASE_UPDATE, PHASE_SHUFFLE, PHASE_EVAL, PHASE_TASKS = range(5)
+# The policy learner (any env); PHASE_CRITIC: PPO's separate critic's update steps.
+PHASE_ROLLOUT, PHASE_UPDATE, PHASE_SHUFFLE, PHASE_EVAL, PHASE_TASKS, PHASE_CRITIC = range(6)
 # DreamGym: M_exp's sampling, the curriculum draw, M_task's generation, PPO's task clusters.
 PHASE_SYNTHETIC, PHASE_CURRICULUM, PHASE_GENERATION, PHASE_CLUSTERS = range(10, 14)
 

@@ -21,6 +21,9 @@ projected: a third of the vocabulary matmuls on 128-token prompts with 64 sample
 standard benchmark model's FLOPs. Log-probs (and entropies) are then 0 outside the mask; values are not affected.
 
 `temperature` divides the logits as the sampler does, so importance ratios compare like with like.
+
+Critic values: `token_values` reads the same aligned values from a model with a value head but no LM head (PPO's
+separate critic, `dreamjax.rl.critic`), and `LogpScorer(values_only=True)` scores them in the scorer's batches.
 """
 
 from __future__ import annotations
@@ -163,6 +166,16 @@ def token_logps(
                     values=shift(out.values) if with_values else None)
 
 
+def token_values(cfg: ModelConfig, params, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
+                 valid: Bool[Array, "B T"]) -> Float[Array, "B T"]:
+  """`token_logps(...).values` of a critic: the value head at t - 1 at each token t (0 where t is not scored), from
+  a forward that skips the LM head (`Transformer(values_only=True)`), so `params` need no `lm_head`."""
+  b = tokens.shape[0]
+  values = Transformer(cfg).apply({"params": params}, tokens, positions, valid, values_only=True).values
+  scored = jnp.concatenate([jnp.zeros((b, 1), bool), valid[:, 1:] & valid[:, :-1]], axis=1)
+  return jnp.where(scored, jnp.concatenate([jnp.zeros((b, 1), values.dtype), values[:, :-1]], axis=1), 0.0)
+
+
 def row_positions(valid: np.ndarray) -> np.ndarray:
   """RoPE positions of right- or left-padded rows, as the sampler assigns them: 0, 1, ... over the valid tokens."""
   valid = np.asarray(valid, bool)
@@ -174,15 +187,22 @@ class LogpScorer:
 
   Rows are padded to `batch_size` and the length to a multiple of `pad_to`, so a stream of batches of varying shape
   compiles once per length bucket. Host in, host out: returns NumPy arrays of the caller's shape.
+  `values_only` scores a critic's values (`token_values`; its log-probs come back as zeros).
   """
 
   def __init__(self, cfg: ModelConfig, batch_size: int, *, with_values: bool = False, temperature: float = 1.0,
                pad_to: int = 64, chunk_size: int | None = None, mesh: jax.sharding.Mesh | None = None,
-               rules: Rules = TRAIN_RULES):
+               rules: Rules = TRAIN_RULES, values_only: bool = False):
+    with_values = with_values or values_only
     if with_values and not cfg.value_head:
       raise ValueError("LogpScorer(with_values=True) needs a model with a value head (ModelConfig.value_head=True)")
     self.cfg, self.batch_size, self.pad_to, self.mesh, self.rules = cfg, batch_size, pad_to, mesh, rules
     self.with_values = with_values
+    if values_only:
+      self._fn = jax.jit(lambda p, tok, pos, val, mask, score_len: TokenLogps(
+          logp=jnp.zeros(tok.shape, jnp.float32), entropy=None, values=token_values(cfg, p, tok, pos, val)),
+                         static_argnums=5)
+      return
     fn = functools.partial(token_logps, cfg, with_values=with_values, temperature=temperature, chunk_size=chunk_size)
     # `mask` is ignored unless score_len is set (then mask is the score mask).
     self._fn = jax.jit(lambda p, tok, pos, val, mask, score_len: fn(

@@ -7,9 +7,11 @@ Each objective is a frozen config plus a pure loss function `(params, batch, rng
 micro-batch's loss by its share of that count, which makes k accumulated micro-batches exactly one big batch
 (see `dreamjax.rl.update`).
 
-PPO = clipped surrogate + value loss through the model's value head (`vf_coef` > 0), usually without a KL term;
-GRPO = clipped surrogate + KL to the reference policy (`kl_coef` > 0, low-variance KL), no critic. The registry holds
-both with verl-agent-like defaults (docs/paper_map.md, "RL"); override fields with `make_objective(name, **fields)`.
+PPO = clipped surrogate + value loss through the model's value head (`vf_coef` > 0, the shared-head critic), usually
+without a KL term; GRPO = clipped surrogate + KL to the reference policy (`kl_coef` > 0, low-variance KL), no critic.
+`critic` = the value loss alone, for PPO's separate value model (`dreamjax.rl.critic`: a model with a value head and no
+LM head, trained by its own step and optimizer, as verl's critic). The registry holds them with verl-agent-like
+defaults (docs/paper_map.md, "RL"); override fields with `make_objective(name, **fields)`.
 `rng` is unused by these objectives (the model has no dropout); it is part of the signature for objectives that sample.
 """
 
@@ -24,7 +26,7 @@ from jaxtyping import Array, Float
 
 from dreamjax.models.config import ModelConfig
 from dreamjax.rl.batch import TokenBatch
-from dreamjax.rl.logprobs import token_logps
+from dreamjax.rl.logprobs import token_logps, token_values
 from dreamjax.rl.losses import (
     AGG_MODES,
     KL_KINDS,
@@ -71,6 +73,19 @@ class PolicyGradientConfig:
     if self.temperature <= 0:
       raise ValueError(f"PolicyGradientConfig.temperature must be > 0 (greedy rollouts have no ratios), got "
                        f"{self.temperature}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueLossConfig:
+  """PPO's separate critic: its clipped value loss (verl's critic.cliprange_value, 0.5) and aggregation."""
+
+  clip: float | None = 0.5  # None: the plain squared error
+  agg: str = "token_mean"
+
+  def __post_init__(self):
+    _check_agg(self.agg, "ValueLossConfig")
+    if self.clip is not None and self.clip <= 0:
+      raise ValueError(f"ValueLossConfig.clip must be > 0 or None, got {self.clip}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +139,16 @@ def policy_gradient_objective(params, batch: TokenBatch, rng: jax.Array, cfg: Po
   return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
+def value_objective(params, batch: TokenBatch, rng: jax.Array, cfg: ValueLossConfig, *,
+                    model_cfg: ModelConfig, score_len: int | None = None) -> tuple[Float[Array, ""], Metrics]:
+  """The critic's value loss on the batch's loss tokens, against `returns`, clipped around `old_values`."""
+  del rng, score_len  # a critic projects nothing onto the vocabulary
+  values = token_values(model_cfg, params, batch.tokens, batch.positions, batch.valid)
+  loss, metrics = value_loss(values, batch.old_values, batch.returns, batch.loss_mask, clip=cfg.clip, agg=cfg.agg)
+  metrics.update(vf_loss=loss, loss=loss)
+  return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
 def sft_objective(params, batch: TokenBatch, rng: jax.Array, cfg: SftConfig, *,
                   model_cfg: ModelConfig, score_len: int | None = None) -> tuple[Float[Array, ""], Metrics]:
   del rng
@@ -166,9 +191,10 @@ def dpo_objective(params, batch: TokenBatch, rng: jax.Array, cfg: DpoLossConfig,
   return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
-ObjectiveConfig = PolicyGradientConfig | SftConfig | DpoLossConfig
+ObjectiveConfig = PolicyGradientConfig | ValueLossConfig | SftConfig | DpoLossConfig
 _LOSS_FNS: dict[type, Callable[..., tuple[Array, Metrics]]] = {
     PolicyGradientConfig: policy_gradient_objective,
+    ValueLossConfig: value_objective,
     SftConfig: sft_objective,
     DpoLossConfig: dpo_objective,
 }
@@ -206,11 +232,15 @@ class Objective:
     if isinstance(self.config, PolicyGradientConfig) and self.config.vf_coef != 0 and not model_cfg.value_head:
       raise ValueError(f"objective {self.name!r} has a value loss (vf_coef={self.config.vf_coef}) but the model has "
                        "no value head (ModelConfig.value_head=False)")
+    if isinstance(self.config, ValueLossConfig) and not model_cfg.value_head:
+      raise ValueError(f"objective {self.name!r} trains a critic but the model has no value head "
+                       "(ModelConfig.value_head=False)")
 
 
 OBJECTIVES: dict[str, Objective] = {
     "ppo": Objective("ppo", PolicyGradientConfig(vf_coef=0.5, vf_clip=0.5)),
     "grpo": Objective("grpo", PolicyGradientConfig(kl_coef=0.02, kl_kind="low_var_kl")),
+    "critic": Objective("critic", ValueLossConfig()),
     "sft": Objective("sft", SftConfig()),
     "dpo": Objective("dpo", DpoLossConfig()),
 }

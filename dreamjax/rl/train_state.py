@@ -3,6 +3,9 @@
 Optimizer moments are copies of the parameter tree, so they take the parameters' shardings
 (`optax.tree_utils.tree_map_params` finds them inside any optax state); scalars such as Adam's count are replicated.
 The train step's in/out shardings come from `train_state_shardings`, so parameters never move between steps.
+`abstract` (default: the model's whole tree, `abstract_params`) names another parameter tree of the model's logical
+axes: PPO's separate critic has no `lm_head` (`dreamjax.rl.critic.critic_abstract_params`) and is laid out by the same
+rules as the policy.
 
 `nonfinite_leaves` names the floating-point leaves of any pytree that hold a NaN or an infinity: checkpoints and
 exported models refuse such weights (`dreamjax.loop.checkpoint`, `dreamjax.loop.model.save_model`).
@@ -23,7 +26,7 @@ from jaxtyping import Array, Int
 
 from dreamjax.models.config import ModelConfig
 from dreamjax.models.params import abstract_params, param_shardings
-from dreamjax.parallel.sharding import TRAIN_RULES, Rules
+from dreamjax.parallel.sharding import TRAIN_RULES, Rules, tree_shardings
 
 
 @flax.struct.dataclass
@@ -34,11 +37,16 @@ class TrainState:
 
 
 def train_state_shardings(cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh,
-                          rules: Rules = TRAIN_RULES) -> TrainState:
-  """A TrainState of NamedShardings: parameters and their optimizer copies by the rules, everything else replicated."""
-  p_shard = param_shardings(cfg, mesh, rules)
+                          rules: Rules = TRAIN_RULES, abstract: Any = None) -> TrainState:
+  """A TrainState of NamedShardings: parameters and their optimizer copies by the rules, everything else replicated.
+  `abstract`: the parameter tree (boxed, as `abstract_params` gives it) when it is not the model's whole tree."""
+  if abstract is None:
+    p_shard = param_shardings(cfg, mesh, rules)
+    abstract = abstract_params(cfg)
+  else:
+    p_shard = tree_shardings(abstract, mesh, rules)
   replicated = NamedSharding(mesh, PartitionSpec())
-  opt_abstract = jax.eval_shape(optimizer.init, nn.unbox(abstract_params(cfg)))
+  opt_abstract = jax.eval_shape(optimizer.init, nn.unbox(abstract))
   opt_shard = optax.tree_utils.tree_map_params(
       optimizer, lambda _, s: s, opt_abstract, p_shard, transform_non_params=lambda _: replicated,
       is_leaf=lambda x: isinstance(x, NamedSharding),
@@ -47,14 +55,16 @@ def train_state_shardings(cfg: ModelConfig, optimizer: optax.GradientTransformat
 
 
 def create_train_state(cfg: ModelConfig, params, optimizer: optax.GradientTransformation,
-                       mesh: jax.sharding.Mesh | None = None, rules: Rules = TRAIN_RULES) -> TrainState:
-  """A fresh state at step 0; with a mesh, parameters are resharded for training and moments are created in place."""
+                       mesh: jax.sharding.Mesh | None = None, rules: Rules = TRAIN_RULES,
+                       abstract: Any = None) -> TrainState:
+  """A fresh state at step 0; with a mesh, parameters are resharded for training and moments are created in place.
+  `abstract`: as in `train_state_shardings`."""
   if mesh is None:
     # Committed to the device, as the jitted step's outputs are: uncommitted scalars (the step, Adam's count) would
     # make the step compile a second time on its own first output.
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
     return jax.device_put(state, jax.local_devices()[0])
-  shardings = train_state_shardings(cfg, optimizer, mesh, rules)
+  shardings = train_state_shardings(cfg, optimizer, mesh, rules, abstract)
   params = jax.device_put(params, shardings.params)
   init = jax.jit(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=optimizer.init(p)),
                  in_shardings=(shardings.params,), out_shardings=shardings)

@@ -136,7 +136,8 @@ class TrainStep:
   the state argument is donated (do not reuse it after the call)."""
 
   def __init__(self, model_cfg: ModelConfig, objective: Objective, optimizer: optax.GradientTransformation, *,
-               micro_batches: int = 1, mesh: jax.sharding.Mesh | None = None, rules: Rules = TRAIN_RULES):
+               micro_batches: int = 1, mesh: jax.sharding.Mesh | None = None, rules: Rules = TRAIN_RULES,
+               abstract: Any = None):
     if micro_batches < 1:
       raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     objective.check(model_cfg)
@@ -148,7 +149,7 @@ class TrainStep:
     if mesh is None:
       self._fn = jax.jit(fn, donate_argnums=0, static_argnums=3)
       return
-    state_sh = train_state_shardings(model_cfg, optimizer, mesh, rules)
+    state_sh = train_state_shardings(model_cfg, optimizer, mesh, rules, abstract)
     replicated = NamedSharding(mesh, PartitionSpec())
     fn = functools.partial(fn, grad_shardings=state_sh.params)
     self._batch_shardings = batch_shardings(mesh, rules)
@@ -219,7 +220,9 @@ class SkipCounter:
 
 
 def make_train_step(model_cfg: ModelConfig, objective: Objective, optimizer: optax.GradientTransformation, *,
-                    micro_batches: int = 1, mesh: jax.sharding.Mesh | None = None,
-                    rules: Rules = TRAIN_RULES) -> TrainStep:
-  """See `TrainStep`."""
-  return TrainStep(model_cfg, objective, optimizer, micro_batches=micro_batches, mesh=mesh, rules=rules)
+                    micro_batches: int = 1, mesh: jax.sharding.Mesh | None = None, rules: Rules = TRAIN_RULES,
+                    abstract: Any = None) -> TrainStep:
+  """See `TrainStep`; `abstract` is the state's parameter tree when it is not the model's whole tree (PPO's separate
+  critic, `dreamjax.rl.critic`), as in `train_state_shardings`."""
+  return TrainStep(model_cfg, objective, optimizer, micro_batches=micro_batches, mesh=mesh, rules=rules,
+                   abstract=abstract)
