@@ -30,7 +30,10 @@ def config() -> DreamGymConfig:
       rl=rl,
       exp_model="runs/exp_sft/twx/checkpoint",
       offline_data=("runs/collect/twx/trajectories.jsonl",),
-      curriculum=CurriculumConfig(capacity=2048, lam=0.2, generate_every=5, seeds_per_round=8, variants_per_seed=2),
+      # M_task proposes 4 variants per seed and its selection prompt keeps the feasible, harder one (the paper's
+      # task-generation appendix).
+      curriculum=CurriculumConfig(capacity=2048, lam=0.2, generate_every=5, seeds_per_round=8, proposals_per_seed=4,
+                                  variants_per_seed=1),
       out_dir="runs/dreamgym/grpo_twx",
   )
 

@@ -1,5 +1,7 @@
-"""Curriculum: variance statistics against NumPy, selection (preference, lambda cap, exploration, no recompiles), the
-task pool (JSON, eviction), M_task parsing/validation/generation with a tiny random Qwen2, and k-means against NumPy."""
+"""Curriculum: variance statistics against NumPy and on the binary outcome (not penalty-shaped returns), selection
+(preference, lambda cap, exploration, no recompiles), the task pool (JSON, eviction), M_task's propose-filter-select
+generation (parsing, validation, the selection prompt, its total parser and fallback, the log) with a tiny random
+Qwen2, and k-means against NumPy."""
 
 import json
 import random
@@ -11,6 +13,7 @@ import pytest
 
 from dreamjax.curriculum import clusters, task_gen
 from dreamjax.curriculum.pool import TaskPool
+from dreamjax.curriculum.source import CurriculumConfig, CurriculumTasks, outcome_rewards
 from dreamjax.curriculum.state import (
     add,
     compilations,
@@ -23,7 +26,9 @@ from dreamjax.curriculum.state import (
     update,
 )
 from dreamjax.envs.base import Task
+from dreamjax.loop.learner import episode_returns
 from dreamjax.models import init_params, tiny
+from dreamjax.rollout.trajectory import Trajectories
 from dreamjax.sampling import Sampler
 from dreamjax.text import train_bpe_tokenizer
 
@@ -92,6 +97,52 @@ def test_binary_rewards_give_p_times_one_minus_p():
   state = update(state, slots, rewards, np.ones(24, bool), ema=0.9)  # first batch: no decay applied
   np.testing.assert_allclose(state.reward_var[:3], [3 / 8 * 5 / 8, 0.0, 0.25], atol=1e-7)
   np.testing.assert_allclose(state.reward_mean[:3], [3 / 8, 1.0, 0.5], atol=1e-7)
+
+
+def episodes(turns):
+  """Trajectories of hand-made episodes: `turns[e]` lists episode e's turns as (reward, invalid); an episode succeeds
+  when its last turn has reward 1. Only the fields the curriculum and the returns read are meaningful."""
+  rows = [(e, t, r, inv) for e, ep in enumerate(turns) for t, (r, inv) in enumerate(ep)]
+  m, n = len(rows), len(turns)
+  turn_rows = np.full((n, max(len(ep) for ep in turns)), -1, np.int32)
+  for i, (e, t, _, _) in enumerate(rows):
+    turn_rows[e, t] = i
+  zeros = np.zeros((m, 1), np.int32)
+  success = np.array([ep[-1][0] == 1.0 for ep in turns])
+  return Trajectories(
+      tokens=zeros, kinds=zeros, loss_mask=zeros, rollout_logp=np.zeros((m, 1), np.float32),
+      lengths=np.ones(m, np.int32), prompt_lengths=np.zeros(m, np.int32), episode=np.array([r[0] for r in rows]),
+      turn=np.array([r[1] for r in rows]), reward=np.array([r[2] for r in rows], np.float32),
+      done=np.array([t == len(turns[e]) - 1 for e, t, _, _ in rows]),
+      invalid=np.array([r[3] for r in rows]), truncated=np.zeros(m, bool), group=np.zeros(n, np.int32),
+      task_index=np.zeros(n, np.int32), num_turns=np.array([len(ep) for ep in turns], np.int32), turn_rows=turn_rows,
+      episode_reward=np.array([sum(r for r, _ in ep) for ep in turns], np.float32), success=success,
+      ended=success.copy(), env_error=np.zeros(n, bool), records=())
+
+
+def test_task_statistics_use_the_binary_outcome_not_penalised_returns():
+  # Four episodes of one task: all succeed, two after invalid actions; then four of another: none succeed, two with
+  # invalid actions. The returns the advantages see (penalty 0.1) differ within each group; the outcomes do not.
+  won, lost = [(0.0, True), (1.0, False)], [(0.0, True), (0.0, True), (0.0, False)]
+  traj = episodes([won, [(1.0, False)], won, [(0.0, False), (1.0, False)], lost, [(0.0, False)], lost,
+                   [(0.0, False)] * 2])
+  np.testing.assert_array_equal(outcome_rewards(traj), [1, 1, 1, 1, 0, 0, 0, 0])
+  assert outcome_rewards(traj).dtype == np.float32
+  returns = episode_returns(traj, 0.1)
+  assert np.ptp(returns[:4]) > 0 and np.ptp(returns[4:]) > 0  # what the statistics used to see
+  seeds = seed_tasks(2)
+  cur = CurriculumTasks(CurriculumConfig(capacity=8, generate_every=0), seeds, [], tasks_per_iteration=2,
+                        algorithm="grpo", seed=0, root=jax.random.key(0), sampler=None, exp_params=None, exp_tok=None,
+                        encode=None)
+  slots = cur.slots([seeds[0]] * 4 + [seeds[1]] * 4)
+  out = cur.update(slots, outcome_rewards(traj), 0, ~traj.env_error)
+  s = jax.device_get(cur.pool.state)
+  np.testing.assert_array_equal(s.reward_mean[:2], [1.0, 0.0])
+  np.testing.assert_array_equal(s.reward_var[:2], [0.0, 0.0])  # nothing left to learn on either: not preferred
+  assert out["batch_reward_var"] == 0.0 and "generated" not in out
+  # The statistics of the penalised returns would have ranked both tasks as feasible-yet-challenging.
+  shaped = update(cur.pool.state, slots, returns, np.ones(8, bool), ema=0.5)
+  assert (np.asarray(shaped.reward_var)[:2] > 0).all()
 
 
 def test_selection_matches_its_mixture_and_prefers_high_variance():
@@ -249,17 +300,119 @@ def test_validation_and_bookkeeping():
   assert check("your task is to FIND a coin in room 0!") == "duplicate"
   assert check("Find the coin in the garden.") == "vocabulary"
   out = ("<task>Find a coin in the kitchen.</task><task>find a coin in the  KITCHEN</task><task>Open the fridge "
-         "then find a coin.</task><task>Find a coin north of the kitchen.</task><task>x</task><task>oops")
-  res = task_gen.variants_from_outputs([seed, seed], [out, "garbage"], k=2, existing=["Open the door."],
+         "then find a coin.</task><task>x</task><task>Find a coin north of the kitchen.</task><task>oops")
+  # Four proposals asked for: the fifth block is surplus; two survive, which k=2 keeps without a selection prompt.
+  res = task_gen.variants_from_outputs([seed, seed], [out, "garbage"], k=2, proposals=4, existing=["Open the door."],
                                        counters={"coin/train/0": 5}, cfg=cfg)
   assert res.counts == {"accepted": 2, "unparsed": 2, "empty": 0, "too_short": 1, "too_long": 0, "duplicate": 1,
-                        "vocabulary": 0, "surplus": 1}
+                        "vocabulary": 0, "surplus": 1, "not_selected": 0}
+  assert res.selection == {"prompts": 0, "fallbacks": 0} and [r["selection"] for r in res.log] == ["all", "none"]
   assert [t.task_id for t in res.tasks] == ["coin/train/0/v5", "coin/train/0/v6"]
   t = res.tasks[1]
   assert t.instruction == "Open the fridge then find a coin." and t.env == "textworld_express"
   assert t.param == {"game": "coin", "seed": 0, "generated_from": "coin/train/0", "generation": 1}
   assert task_gen.variant_task(t, "again", 0).param["generation"] == 2
   np.testing.assert_array_equal(res.seed_index, [0, 0])
+
+
+KITCHEN = "Location: kitchen\nYou see: fridge, counter, coin\nExits: north (closed door)"
+
+
+def kitchen_seed(i: int = 0) -> task_gen.SeedExample:
+  return task_gen.SeedExample(seed_tasks(i + 1)[i], initial_state=KITCHEN, actions=("open door", "take coin"))
+
+
+def test_selection_prompt_shows_the_seed_and_numbered_candidates():
+  seed, cands = kitchen_seed(), ["Find a coin in the kitchen.", "Open the door, then take the coin."]
+  text = task_gen.selection_text(seed, cands)
+  assert text.startswith("Seed task: Your task is to find a coin in room 0.\nInitial state:\nLocation: kitchen")
+  assert "A successful action sequence: open door; take coin" in text
+  assert "Candidates:\n1. Find a coin in the kitchen.\n2. Open the door, then take the coin.\n" in text
+  assert text.endswith("feasible and harder than the seed task? Answer as <choice>N</choice>.")
+  two = task_gen.selection_text(seed, cands + ["Take the coin twice."], k=2)
+  assert "3. Take the coin twice." in two and "Which 2 candidates" in two and "best first" in two
+  # The system segment asks for feasible-yet-harder in the paper's sense; the proposal prompt asks for `proposals`.
+  assert "feasible" in task_gen.SELECTION_PROMPT and "harder than the seed" in task_gen.SELECTION_PROMPT
+  assert "<choice>N</choice>" in task_gen.SELECTION_PROMPT
+
+
+def test_choice_parser_is_total_and_keeps_valid_distinct_choices():
+  parse = task_gen.parse_choices
+  assert parse("<choice>2</choice>", 3) == [1]
+  assert parse("I pick <CHOICE> candidate #3. </choice> because it is harder", 3) == [2]
+  assert parse("<choice>2</choice><choice>2</choice><choice>1</choice>", 3) == [1, 0]  # repeats dropped
+  assert parse("<choice>4</choice><choice>0</choice><choice>1</choice>", 3) == [0]  # out of range dropped
+  for junk in ("", "2", "choice 2", "<choice>two</choice>", "<choice>2", "<choice>-1</choice>", "<choice>1e3</choice>",
+               "<choice>99999999999</choice>", None, 3):
+    assert parse(junk, 3) == [], junk
+  rng = random.Random(1)
+  pieces = ["<choice>", "</choice>", "<CHOICE>", "1", "2", "9", "0", " ", "#", ".", "candidate", "<", "/", "é", "\x00"]
+  for _ in range(2000):
+    text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 10)))
+    got = parse(text, 3)
+    assert len(set(got)) == len(got) and all(0 <= i < 3 for i in got)
+
+
+def test_fallback_rule_fills_in_proposal_order():
+  assert task_gen.choose([2], 4, 1) == ([2], False)
+  assert task_gen.choose([], 4, 1) == ([0], True)  # nothing parsed: the first surviving candidate
+  assert task_gen.choose([3, 1, 2], 4, 2) == ([3, 1], False)
+  assert task_gen.choose([2], 4, 2) == ([2, 0], True)  # the model's choice first, filled by the rule
+  assert task_gen.choose([], 1, 2) == ([0], True)
+  assert task_gen.choose([5, -1], 3, 1) == ([0], True)
+
+
+def test_proposals_filter_then_selection_with_the_log():
+  seeds = [kitchen_seed(i) for i in range(4)]
+  outputs = [
+      # seed 0: three survivors, one duplicate, one surplus (five blocks for four proposals), one unclosed
+      "<task>Find a coin in the kitchen.</task><task>Open the door, then take the coin.</task><task>find a coin in "
+      "the KITCHEN</task><task>Take the coin after you open the fridge.</task><task>Take the coin.</task><task>oops",
+      # seed 1: two survivors, one vocabulary failure
+      "<task>Open the fridge and take the coin.</task><task>Take the coin from the garden.</task><task>Open the "
+      "door and the fridge, then take the coin.</task>",
+      # seed 2: one survivor (k=1 keeps it without asking)
+      "<task>Take the coin, then open the door.</task><task>x</task>",
+      # seed 3: nothing parses
+      "no tags",
+  ]
+  props = task_gen.filter_proposals(seeds, outputs, 4, existing=["Take the coin and go north."])
+  assert [p.survivors for p in props] == [
+      ("Find a coin in the kitchen.", "Open the door, then take the coin.", "Take the coin after you open the fridge."),
+      ("Open the fridge and take the coin.", "Open the door and the fridge, then take the coin."),
+      ("Take the coin, then open the door.",), ()]
+  assert props[0].reasons[2:] == ("duplicate", None, "surplus") and props[0].unparsed == 1
+  answers = ["Harder: <choice>3</choice>", "<choice>7</choice> none of them", None, None]
+  res = task_gen.select_variants(props, answers, 1, counters={"coin/train/1": 2}, texts=outputs)
+  assert [t.instruction for t in res.tasks] == ["Take the coin after you open the fridge.",
+                                                "Open the fridge and take the coin.",
+                                                "Take the coin, then open the door."]
+  assert [t.task_id for t in res.tasks] == ["coin/train/0/v0", "coin/train/1/v2", "coin/train/2/v0"]
+  np.testing.assert_array_equal(res.seed_index, [0, 1, 2])
+  assert res.counts == {"accepted": 3, "unparsed": 2, "empty": 0, "too_short": 1, "too_long": 0, "duplicate": 1,
+                        "vocabulary": 1, "surplus": 1, "not_selected": 3}
+  candidates = sum(len(p.texts) + p.unparsed for p in props)
+  assert sum(res.counts.values()) == candidates == 12
+  assert res.selection == {"prompts": 2, "fallbacks": 1} and res.texts == tuple(outputs)
+  assert [r["selection"] for r in res.log] == ["model", "fallback", "all", "none"]
+  r0 = res.log[0]
+  assert r0["seed"] == "coin/train/0" and r0["proposed"] == list(props[0].texts)
+  assert r0["selected"] == ["Take the coin after you open the fridge."]
+  assert r0["rejected"] == [{"text": "Find a coin in the kitchen.", "reason": "not selected"},
+                            {"text": "Open the door, then take the coin.", "reason": "not selected"},
+                            {"text": "find a coin in the KITCHEN", "reason": "filter: duplicate"},
+                            {"text": "Take the coin.", "reason": "filter: surplus"}]
+  assert r0["unparsed"] == 1 and r0["selection_answer"] == "Harder: <choice>3</choice>"
+  assert res.log[1]["rejected"] == [{"text": "Take the coin from the garden.", "reason": "filter: vocabulary"},
+                                    {"text": "Open the door and the fridge, then take the coin.",
+                                     "reason": "not selected"}]
+  assert res.log[2]["selection_answer"] is None and res.log[3]["selected"] == [] and res.log[3]["unparsed"] == 1
+  # Every proposed candidate is selected or rejected exactly once, and the log is plain JSON.
+  for r in res.log:
+    assert sorted(r["selected"] + [x["text"] for x in r["rejected"]]) == sorted(r["proposed"])
+  assert json.loads(json.dumps(res.log)) == list(res.log)
+  with pytest.raises(ValueError, match="2 selection answers for 4 seeds"):
+    task_gen.select_variants(props, answers[:2], 1)
 
 
 @pytest.fixture(scope="module")
@@ -273,6 +426,28 @@ def tiny_model(tmp_path_factory):
   return tok, cfg, init_params(cfg, jax.random.key(0))
 
 
+LOG_KEYS = {"seed", "seed_instruction", "proposed", "selected", "rejected", "unparsed", "selection",
+            "selection_answer"}
+
+
+def check_log(res, seeds):
+  """The log's structure: a record per seed, every candidate accounted for once, counts that match the records."""
+  assert [r["seed"] for r in res.log] == [s.task.task_id for s in seeds]
+  for r in res.log:
+    assert set(r) == LOG_KEYS and r["selection"] in task_gen.SELECTION_METHODS
+    assert sorted(r["selected"] + [x["text"] for x in r["rejected"]]) == sorted(r["proposed"])
+    assert all(x["reason"] == "not selected" or x["reason"].removeprefix("filter: ") in task_gen.FILTER_REASONS
+               for x in r["rejected"])
+    assert (r["selection_answer"] is not None) == (r["selection"] in ("model", "fallback"))
+  assert res.counts["accepted"] == sum(len(r["selected"]) for r in res.log) == len(res.tasks)
+  assert res.counts["not_selected"] == sum(x["reason"] == "not selected" for r in res.log for x in r["rejected"])
+  assert res.counts["unparsed"] == sum(r["unparsed"] for r in res.log)
+  assert sum(res.counts.values()) == sum(len(r["proposed"]) + r["unparsed"] for r in res.log)
+  assert res.selection["prompts"] == sum(r["selection_answer"] is not None for r in res.log)
+  assert res.selection["fallbacks"] == sum(r["selection"] == "fallback" for r in res.log)
+  json.dumps(res.log)
+
+
 def test_generate_variants_end_to_end(tiny_model):
   tok, cfg, params = tiny_model
   sampler = Sampler(cfg, max_new_tokens=24, pad_id=tok.pad_id)
@@ -284,13 +459,76 @@ def test_generate_variants_end_to_end(tiny_model):
   # Every row is at least one candidate; each candidate is counted once (accepted or one reason).
   blocks = [task_gen.parse_variants(t) for t in res.texts]
   assert sum(res.counts.values()) == sum(len(b) + m for b, m in blocks) >= 3
+  check_log(res, seeds)
   again = task_gen.generate_variants(sampler, params, tok, seeds, key, k=2)
-  assert again.texts == res.texts and again.counts == res.counts
+  assert again.texts == res.texts and again.counts == res.counts and again.log == res.log
   # Four seeds pad to the same batch (4) and length bucket: no new program; a row's sample depends on its own key.
+  # (A random model writes no <task> block that survives, so no selection prompt is sampled here.)
   four = task_gen.generate_variants(sampler, params, tok, seeds + seeds[:1], key, k=2)
   assert sampler.compilations() == 1 and four.texts[:3] == res.texts
   assert four.texts[3] != res.texts[0]  # same prompt, another row key
-  assert task_gen.generate_variants(sampler, params, tok, [], key, k=2).tasks == ()
+  empty = task_gen.generate_variants(sampler, params, tok, [], key, k=2)
+  assert empty.tasks == () and empty.log == ()
+
+
+class ScriptedProposals:
+  """The tiny model's sampler, with the first call's rows (the proposals) replaced by given texts: a random model
+  writes no `<task>` block, so the selection round would never run. Later calls (the selection) are the model's
+  own. Records each call's batch shape, temperatures and budgets."""
+
+  def __init__(self, sampler: Sampler, tok, texts: list[str]):
+    self.sampler, self.tok, self.texts, self.calls = sampler, tok, texts, []
+    self.max_new_tokens = sampler.max_new_tokens
+
+  def __call__(self, params, tokens, mask, keys, sp):
+    out = self.sampler(params, tokens, mask, keys, sp)
+    self.calls.append((np.shape(tokens), np.asarray(sp.temperature), np.asarray(sp.max_new_tokens)))
+    if len(self.calls) > 1:
+      return out
+    ids, lengths = np.asarray(out.tokens).copy(), np.asarray(out.lengths).copy()
+    for r, text in enumerate(self.texts):
+      row = self.tok.encode(text)
+      assert len(row) <= ids.shape[1], "scripted proposal longer than the sampler's buffer"
+      ids[r], lengths[r] = self.tok.pad_id, len(row)
+      ids[r, :len(row)] = row
+    return out.replace(tokens=jnp.asarray(ids), lengths=jnp.asarray(lengths))
+
+
+def test_selection_round_is_one_greedy_batched_call(tiny_model):
+  tok, cfg, params = tiny_model
+  seeds = [kitchen_seed(i) for i in range(3)]
+  texts = ["<task>Take the coin.</task><task>Open the door and take the coin.</task><task>Open the fridge, then take "
+           "the coin.</task>",  # three survivors: asked
+           "<task>Open the door.</task><task>Take the coin from the garden.</task>",  # one survivor: kept unasked
+           "<task>Take the coin and open the fridge.</task><task>Open the fridge and the door.</task>"]  # asked
+  gen = task_gen.GenerationConfig(selection_max_tokens=12)
+  runs, inner = [], Sampler(cfg, max_new_tokens=48, pad_id=tok.pad_id)
+  for _ in range(2):
+    sampler = ScriptedProposals(inner, tok, texts)
+    runs.append((sampler, task_gen.generate_variants(sampler, params, tok, seeds, jax.random.key(3), k=1, cfg=gen)))
+  sampler, res = runs[0]
+  assert res.texts == tuple(texts)
+  check_log(res, seeds)
+  assert [r["selection"] for r in res.log][1] == "all" and res.selection["prompts"] == 2
+  # Two sampler calls over one batch size (4 rows for 3 seeds): the proposals sampled at temperature 1 with the full
+  # budget, then the selection prompts of seeds 0 and 2 only, greedy, with the selection budget.
+  (shape1, temp1, budget1), (shape2, temp2, budget2) = sampler.calls
+  assert shape1[0] == shape2[0] == 4
+  np.testing.assert_array_equal(temp1, [1.0] * 4)
+  np.testing.assert_array_equal(budget1, [48, 48, 48, 0])
+  np.testing.assert_array_equal(temp2[[0, 2]], [0.0, 0.0])
+  np.testing.assert_array_equal(budget2, [12, 0, 12, 0])
+  # A random model rarely names a candidate: each asked seed ends with the model's choice or the fallback rule.
+  for i in (0, 2):
+    r, survivors = res.log[i], task_gen.filter_proposals([seeds[i]], [texts[i]], 4)[0].survivors
+    chosen = task_gen.parse_choices(r["selection_answer"], len(survivors))
+    assert r["selected"] == [survivors[chosen[0] if chosen else 0]]
+    assert r["selection"] == ("model" if chosen else "fallback")
+  assert len(res.tasks) == 3 and res.counts["not_selected"] == 3
+  assert runs[1][1].log == res.log  # greedy: the same answers again
+  assert inner.compilations() == len({shape1[1], shape2[1]})  # once per prompt bucket, none for the rerun
+  with pytest.raises(ValueError, match="variants_per_seed \\(3\\) must not exceed proposals_per_seed \\(2\\)"):
+    CurriculumConfig(variants_per_seed=3, proposals_per_seed=2)
 
 
 def numpy_lloyd(x, c, iters):

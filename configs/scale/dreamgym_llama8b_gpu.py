@@ -1,23 +1,33 @@
 """DreamGym (GRPO) on TextWorld-Express at the paper's scale: a Llama-3.1-8B-Instruct policy and a Llama-3.1-8B-Instruct
 experience model, on two 8xH100 hosts (16 GPUs, 80 GB each), one JAX process per host.
 
-The policy side is configs/grpo_real_twx.py's (verl-agent's defaults, docs/paper_map.md, "RL": B = 16 tasks x G = 8, lr 1e-6,
-low-variance KL 0.02, invalid-action penalty 0.1); the rest is configs/dreamgym_twx.py's. Set here: the checkpoints,
-the mesh and the micro-batches that make it fit, and M_exp's prompt widths (fixed, so the plan below is exact).
+The policy side is configs/grpo_real_twx.py's (verl-agent's defaults, docs/paper_map.md, "RL": B = 16 tasks x G = 8,
+lr 1e-6, low-variance KL 0.02, invalid-action penalty 0.1); the rest is configs/dreamgym_twx.py's. Set here: the
+checkpoints, the mesh and the micro-batches that make it fit, M_exp's prompt widths (fixed, so the plan below is
+exact), and the paper's reasoning agent: <think>...</think><action>...</action> answers within 512 tokens per turn.
 
-Before: offline data, the M_exp SFT and the policy SFT warm start, each on the same hosts (every command runs as one
-process per host through tpu/gpu_slurm.sbatch or tpu/gpu_ssh_run.sh; tpu/README.md), from HF folders on every host:
+Before: offline data, its teacher annotations, the M_exp SFT and the policy SFT warm start, each on the same hosts
+(every command runs as one process per host through tpu/gpu_slurm.sbatch or tpu/gpu_ssh_run.sh; tpu/README.md), from
+HF folders on every host:
        dreamjax collect --config configs/collect_twx.py
+       dreamjax annotate --config configs/annotate_twx.py --set annotator=teacher \
+         --set teacher.base_url=http://localhost:8000/v1 --set teacher.model=meta-llama/Llama-3.3-70B-Instruct
        dreamjax train-exp --config configs/train_exp_twx.py --set model.checkpoint=$CKPT/Llama-3.1-8B-Instruct \
          --set out_dir=runs/exp_sft/twx_llama8b --set mesh.fsdp=2 --set mesh.tensor=8 \
-         --set micro_batches=16
+         --set micro_batches=16 \
+         --set annotations=runs/collect/twx/annotations.teacher.jsonl --set require_teacher_annotations=true
        dreamjax train-policy --config configs/train_policy_twx.py --set model.checkpoint=$CKPT/Llama-3.1-8B-Instruct \
          --set out_dir=runs/policy_sft/twx_llama8b --set mesh.fsdp=2 --set mesh.tensor=8 --set optim.lr=1e-5 \
-         --set micro_batches=16
+         --set micro_batches=16 --set agent.think=true \
+         --set rollout.max_action_tokens=512
 Run:   dreamjax dreamgym --config configs/scale/dreamgym_llama8b_gpu.py
        sbatch tpu/gpu_slurm.sbatch dreamgym configs/scale/dreamgym_llama8b_gpu.py       (SLURM: 2 nodes, a task each)
 Tiny (CPU; the same pipeline at test size, see configs/dreamgym_twx.py):
        dreamjax dreamgym --config configs/scale/dreamgym_llama8b_gpu.py:tiny
+
+Reasoning: M_exp learns a teacher LLM's reasoning traces, as in the paper: require_teacher_annotations refuses
+rule-based annotations, teacher fallbacks included (--set require_teacher_annotations=false overrides it). The warm
+start learns the think layout (RowConfig.think="auto" writes a template rationale) with room for 512-token answers.
 
 Why this layout: the mesh is laid over the processes in order, so tensor = 8 is one host's 8 GPUs on NVLink and
 fsdp = 2 spans the two hosts (weights are all-gathered across hosts once per layer and step, not per token). 8
@@ -43,20 +53,20 @@ tests/test_memory.py from this command:
   reference params (train layout)                           1.87  all
   M_exp params (sampling layout)                            1.87  all
   policy params re-laid out for sampling                    3.74  rollout,exp_step
-  policy KV cache (128 rows x 2080 slots)                   2.03  rollout
+  policy KV cache (128 rows x 2560 slots)                   2.50  rollout
   policy prefill (128 rows x 2048)                          6.38  rollout
-  scoring forward (32 rows x 2304)                          2.00  score
+  scoring forward (32 rows x 2560)                          2.20  score
   gradients (f32 accumulator + one in dtype)                3.74  update
-  activations (2 rows/device x 2304, per micro-batch)       6.98  update
+  activations (2 rows/device x 2560, per micro-batch)       7.73  update
   M_exp KV cache (128 rows x 3584 slots)                    3.50  exp_step
   M_exp prefill (128 rows x 3072)                           9.56  exp_step
-  M_task KV cache (8 rows x 4224 slots)                     0.26  task_gen
+  M_task KV cache (8 rows x 4352 slots)                     0.27  task_gen
   M_task prefill (8 rows x 4096)                            0.80  task_gen
-  peak rollout                                             21.50
+  peak rollout                                             21.97
   peak exp_step                                            26.16
-  peak score                                               11.35
-  peak update                                              20.08
-  peak task_gen                                            10.41
+  peak score                                               11.55
+  peak update                                              20.82
+  peak task_gen                                            10.42
   fits in 72 GiB per device (36% at the peak)
 """
 
@@ -69,6 +79,9 @@ from dreamjax.loop.model import ModelSource
 from dreamjax.parallel import MeshConfig
 
 _BASE = str(Path(__file__).parent.parent / "dreamgym_twx.py")
+# The paper's agents reason before they act, answering <think>...</think><action>...</action> within a 512-token
+# response budget per turn (docs/paper_map.md, "Agent prompt" and "RL": verl-agent's response length).
+RESPONSE_TOKENS = 512
 
 
 def config() -> DreamGymConfig:
@@ -79,6 +92,10 @@ def config() -> DreamGymConfig:
       mesh=MeshConfig(data=1, fsdp=2, tensor=8),
       micro_batches=64,  # 256 rows per step over data x fsdp = 2: two rows per device per micro-batch
       score_batch=32,
+      agent=dataclasses.replace(base.rl.agent, think=True),
+      # An episode ends on the turn limit, as in verl-agent, not on a total of sampled tokens.
+      rollout=dataclasses.replace(base.rl.rollout, max_action_tokens=RESPONSE_TOKENS,
+                                  max_episode_tokens=base.rl.rollout.max_turns * RESPONSE_TOKENS),
   )
   return dataclasses.replace(
       base,
@@ -87,6 +104,8 @@ def config() -> DreamGymConfig:
       exp_dtype="bfloat16",  # frozen: bfloat16 weights halve M_exp's share
       exp_prompt_buckets=(1024, 2048, 3072),  # up to configs/train_exp_twx.py's max_len
       exp_max_new_tokens=512,
+      # M_exp must have learnt its reasoning from a teacher LLM's traces (the paper's), not from the rule-based
+      # annotator: the train-exp command above sets ExpSftConfig.require_teacher_annotations.
       out_dir="runs/dreamgym/grpo_twx_llama8b_gpu",
   )
 

@@ -1,11 +1,14 @@
 """GRPO against the real TextWorld-Express games (the paper's "GRPO, real env" baseline) with a Llama-3.1-8B-Instruct
-policy, on one 8xH100 host (8 GPUs, 80 GB each): configs/grpo_real_twx.py with a checkpoint and a mesh.
+policy, on one 8xH100 host (8 GPUs, 80 GB each): configs/grpo_real_twx.py with a checkpoint, a mesh and the paper's
+reasoning agent (<think>...</think><action>...</action> answers within 512 tokens per turn), as the DreamGym scale
+configs use.
 
 Before: offline data and the policy SFT warm start on the same host (tpu/README.md, "multi-GPU"):
        dreamjax collect --config configs/collect_twx.py
        dreamjax train-policy --config configs/train_policy_twx.py --set model.checkpoint=$CKPT/Llama-3.1-8B-Instruct \
          --set out_dir=runs/policy_sft/twx_llama8b --set mesh.fsdp=1 --set mesh.tensor=8 --set optim.lr=1e-5 \
-         --set micro_batches=32
+         --set micro_batches=32 --set agent.think=true \
+         --set rollout.max_action_tokens=512
 Run:   dreamjax rl --config configs/scale/grpo_real_llama8b_gpu.py
 S2R (DreamGym-S2R, docs/paper_map.md): the same from DreamGym's final policy with a 5K real-transition budget,
        --set model.checkpoint=runs/dreamgym/grpo_twx_llama8b_gpu/final --set max_real_transitions=5000
@@ -32,15 +35,15 @@ tests/test_memory.py from this command:
   AdamW moments (2 x params dtype)                          7.48  all
   reference params (train layout)                           3.74  all
   policy params re-laid out for sampling                    0.00  rollout
-  policy KV cache (128 rows x 2080 slots)                   4.06  rollout
+  policy KV cache (128 rows x 2560 slots)                   5.00  rollout
   policy prefill (128 rows x 2048)                         12.75  rollout
-  scoring forward (32 rows x 2304)                          3.59  score
+  scoring forward (32 rows x 2560)                          3.98  score
   gradients (f32 accumulator + one in dtype)                7.48  update
-  activations (2 rows/device x 2304, per micro-batch)       6.84  update
-  peak rollout                                             31.77
-  peak score                                               18.55
-  peak update                                              29.29
-  fits in 72 GiB per device (44% at the peak)
+  activations (2 rows/device x 2560, per micro-batch)       7.59  update
+  peak rollout                                             32.71
+  peak score                                               18.95
+  peak update                                              30.03
+  fits in 72 GiB per device (45% at the peak)
 """
 
 import dataclasses
@@ -52,15 +55,23 @@ from dreamjax.loop.model import ModelSource
 from dreamjax.parallel import MeshConfig
 
 _BASE = str(Path(__file__).parent.parent / "grpo_real_twx.py")
+# The paper's agents reason before they act, answering <think>...</think><action>...</action> within a 512-token
+# response budget per turn (docs/paper_map.md, "Agent prompt" and "RL": verl-agent's response length).
+RESPONSE_TOKENS = 512
 
 
 def config() -> RLConfig:
+  base = load_config(_BASE)
   return dataclasses.replace(
-      load_config(_BASE),
+      base,
       model=ModelSource(checkpoint="runs/policy_sft/twx_llama8b/checkpoint", dtype="bfloat16"),
       mesh=MeshConfig(data=1, fsdp=1, tensor=8),
       micro_batches=128,  # 256 rows per step, not split over devices (data x fsdp = 1): two rows per micro-batch
       score_batch=32,
+      agent=dataclasses.replace(base.agent, think=True),  # the same agent as the DreamGym scale configs
+      # An episode ends on the turn limit, as in verl-agent, not on a total of sampled tokens.
+      rollout=dataclasses.replace(base.rollout, max_action_tokens=RESPONSE_TOKENS,
+                                  max_episode_tokens=base.rollout.max_turns * RESPONSE_TOKENS),
       out_dir="runs/rl_real/grpo_twx_llama8b_gpu",
   )
 

@@ -135,7 +135,7 @@ def _run(cfg: DreamGymConfig) -> dict[str, Any]:
     try:
       folder, model_cfg, params, tok = load_policy(rl, run.out, run.resume is not None, real, seeds, mesh)
       hook = DreamGymHook(synthetic, curriculum, buffer, marks, retriever if retrieve else None, tok,
-                          rl.invalid_penalty, write_back=cfg.replay)
+                          write_back=cfg.replay)
       return run_iterations(run, PolicyLearner(rl, model_cfg, params, tok, mesh), curriculum, synthetic,
                             eval_env=real, eval_tasks=eval_pool, model_folder=folder, hooks=[hook])
     finally:

@@ -20,6 +20,14 @@ against the copy baseline). At the end the model is saved as an HF folder (with 
 which records the format, max_len, decode budget and retrieval encoder the model was trained with) and the final
 held-out fidelity goes into summary.json.
 
+Annotations: the reasoning targets R*_t come from `annotations` (files written by `dreamjax annotate`: the
+rule-based annotator or a teacher LLM behind an OpenAI-compatible endpoint, each line naming its `annotator`) or,
+without files, from the rule-based annotator run on the fly. The paper's traces come from a teacher LLM, so
+`require_teacher_annotations` (set by the scale configs' train-exp commands) refuses, before any model is built,
+training on anything else: no files, or files whose annotations of the episodes read were written by the rules,
+including a teacher's fallbacks to them ("<rules> (teacher fallback)", teacher.py), or by an unnamed annotator (a
+format without reasoning or tutorial trains on no annotation, and is let through).
+
 Tracking (`dreamjax.loop.track.Tracker`, `track`): config.json, metrics.jsonl (fresh on every run), summary.json, and W&B
 when `track.wandb` is "online" or "offline"; a progress bar over the steps when stderr is a terminal.
 
@@ -38,16 +46,18 @@ import dataclasses
 import math
 import time
 from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from dreamjax.data.records import read_trajectory_files
+from dreamjax.data.records import TrajectoryRecord, read_trajectory_files
 from dreamjax.experience.annotate import Annotation, read_annotations
 from dreamjax.experience.exp_model import ENCODERS, META_FILE, exp_retriever
 from dreamjax.experience.fidelity import MIN_BUCKET, Predictor, one_step, prompt_buckets, teacher_forced
 from dreamjax.experience.format import ExpFormatConfig
+from dreamjax.experience.teacher import FALLBACK_MARK
 from dreamjax.experience.sft_data import (
     EXCLUDE,
     ExampleBuilder,
@@ -74,6 +84,8 @@ from dreamjax.rl.update import SkipCounter, make_train_step
 class ExpSftConfig(RunConfig):
   trajectories: tuple[str, ...] = ()  # offline trajectory JSONL files (dreamjax collect)
   annotations: tuple[str, ...] = ()  # annotation JSONL files; empty: the rule-based annotator, run on the fly
+  # Refuse reasoning targets that are not a teacher LLM's (module docstring); the scale configs' commands set it.
+  require_teacher_annotations: bool = False
   max_episodes: int = 0  # read at most this many episodes (0: all)
   format: ExpFormatConfig = ExpFormatConfig()
   model: ModelSource = ModelSource()
@@ -113,15 +125,55 @@ def length_buckets(max_len: int) -> tuple[int, ...]:
 
 
 def load_annotation_files(paths: tuple[str, ...]) -> dict[str, Annotation] | None:
-  if not paths:
+  return merge_annotation_files({path: read_annotations(path) for path in paths})
+
+
+def merge_annotation_files(by_file: Mapping[str, Mapping[str, Annotation]]) -> dict[str, Annotation] | None:
+  """One map of every file's annotations (None for no files); an episode annotated in two files is an error."""
+  if not by_file:
     return None
   out: dict[str, Annotation] = {}
-  for path in paths:
-    for key, a in read_annotations(path).items():
+  for path, notes in by_file.items():
+    for key, a in notes.items():
       if key in out:
         raise ValueError(f"{path}: episode {key!r} is annotated in an earlier annotation file too")
       out[key] = a
   return out
+
+
+TEACHER_PREFIX = "teacher:"  # teacher.py's annotator names: "teacher:<model>"
+
+
+def annotation_source(a: Annotation) -> str:
+  """"teacher" (a teacher LLM wrote it), "fallback" (the teacher failed; the rule-based annotator wrote it) or
+  "rules" (the rule-based annotator, or an annotator the file does not name)."""
+  if FALLBACK_MARK in a.annotator:
+    return "fallback"
+  return "teacher" if a.annotator.startswith(TEACHER_PREFIX) else "rules"
+
+
+def check_teacher_annotations(by_file: Mapping[str, Mapping[str, Annotation]], records: Sequence[TrajectoryRecord],
+                              trajectories: Sequence[str] = ()) -> None:
+  """Raises a one-line ValueError when an annotation M_exp would train on is not a teacher LLM's: no files at all
+  (the rule-based annotator would run on the fly), or a file in which some of the records' annotations come from the
+  rules (teacher fallbacks included), naming the file, the annotator found and how many."""
+  where = ", ".join(trajectories) or "the trajectories"
+  hint = ("annotate with a teacher LLM (dreamjax annotate --set annotator=teacher, an OpenAI-compatible endpoint) or "
+          "set require_teacher_annotations=false")
+  if not by_file:
+    envs = ", ".join(f"rules:{e}" for e in sorted({r.env for r in records}))
+    raise ValueError(f"ExpSftConfig.require_teacher_annotations: no annotation files are given, so the rule-based "
+                     f"annotator ({envs or 'rules'}) would write the reasoning for {where}; {hint}")
+  used = {r.episode_id for r in records}
+  for path, notes in by_file.items():
+    found = [a for key, a in notes.items() if key in used]
+    bad = [a for a in found if annotation_source(a) != "teacher"]
+    if bad:
+      fallbacks = sum(annotation_source(a) == "fallback" for a in bad)
+      names = sorted({a.annotator or "(unnamed)" for a in bad})
+      raise ValueError(f"{path}: {len(bad)} of the {len(found)} annotations used are not a teacher LLM's (annotator "
+                       f"{', '.join(repr(n) for n in names)}; {fallbacks} of them teacher fallbacks) and "
+                       f"ExpSftConfig.require_teacher_annotations is set; {hint}")
 
 
 def decode_budget(examples: list[ExpExample], max_len: int) -> int:
@@ -162,7 +214,11 @@ def run(cfg: ExpSftConfig) -> dict[str, Any]:
 
 def _train(cfg: ExpSftConfig, out: Path, tracker: Tracker, t0: float) -> dict[str, Any]:
   records = read_trajectory_files(cfg.trajectories, "ExpSftConfig.trajectories", cfg.max_episodes)
-  notes = annotations_for(records, load_annotation_files(cfg.annotations))
+  by_file = {path: read_annotations(path) for path in cfg.annotations}
+  # Before any model is built. Without reasoning or tutorial (the "w/o reasoning" ablation) nothing is trained on them.
+  if cfg.require_teacher_annotations and (cfg.format.reasoning or cfg.format.tutorial):
+    check_teacher_annotations(by_file, records, cfg.trajectories)
+  notes = annotations_for(records, merge_annotation_files(by_file))
   train_records, _ = split_by_task(records, cfg.held_out_fraction, cfg.seed)
   tiny = cfg.model.tiny.replace(max_position_embeddings=max(cfg.model.tiny.max_position_embeddings, cfg.max_len))
   mesh = run_mesh(cfg)

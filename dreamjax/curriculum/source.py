@@ -1,10 +1,16 @@
 """Where an RL iteration's tasks come from: `UniformTasks`, a seeded uniform draw over a fixed pool (real-env RL and
 DreamGym's "w/o curriculum" ablation), and `CurriculumTasks`, DreamGym's curriculum (reward-variance selection over a
-task pool that M_task's generated variants join, at most lambda of each draw)."""
+task pool that M_task's generated variants join, at most lambda of each draw).
+
+The curriculum's statistics are taken on the paper's signal, the binary outcome reward (`outcome_rewards`: 1 for a
+successful episode, else 0), not on the returns the advantages see: those subtract the invalid-action penalty, which
+would give a task whose episodes all succeed (some after a wasted turn) a non-zero "reward entropy" and rank it as
+feasible-yet-challenging when the policy has nothing left to learn on it."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
@@ -16,8 +22,15 @@ from dreamjax.curriculum.task_gen import GenerationConfig, SeedExample, generate
 from dreamjax.data.records import TrajectoryRecord
 from dreamjax.envs.base import Task
 from dreamjax.experience.synthetic_env import initial_states_from
+from dreamjax.rollout.trajectory import Trajectories
 from dreamjax.rl.keys import PHASE_CLUSTERS, PHASE_CURRICULUM, PHASE_GENERATION, PHASE_TASKS, phase_key
 from dreamjax.sampling import Sampler
+
+
+def outcome_rewards(traj: Trajectories) -> np.ndarray:
+  """float32 [N]: each episode's binary outcome reward, 1.0 when it succeeded and 0.0 otherwise, whatever invalid-action
+  penalties its turns took (the signal `CurriculumTasks.update` takes; see the module docstring)."""
+  return np.asarray(traj.success, bool).astype(np.float32)
 
 
 def draw_tasks(pool: list[Task], n: int, iteration: int, seed: int) -> list[Task]:
@@ -51,26 +64,34 @@ class CurriculumConfig:
   explore_prob: float = 0.1
   generate_every: int = 1  # iterations between M_task rounds; 0: never generate
   seeds_per_round: int = 4  # high-variance tasks M_task writes variants of per round
-  variants_per_seed: int = 2
+  # M_task proposes this many candidates per seed; the rule filters drop the infeasible ones and a selection prompt
+  # keeps `variants_per_seed` of the rest (the paper's appendix keeps the one that is feasible and harder: 1).
+  proposals_per_seed: int = 4
+  variants_per_seed: int = 1
   max_depth: int = 2  # variants of variants up to this depth
-  max_new_tokens: int = 128  # M_task's output budget
+  max_new_tokens: int = 256  # M_task's output budget: room for `proposals_per_seed` instructions of ~40 tokens
   clusters: int = 8  # PPO: k-means groups over instructions
   generation: GenerationConfig = GenerationConfig()
 
   def __post_init__(self):
     cstate.generated_cap(1, self.lam)  # validates lam
-    for name in ("capacity", "seeds_per_round", "variants_per_seed", "max_new_tokens", "clusters"):
+    for name in ("capacity", "seeds_per_round", "proposals_per_seed", "variants_per_seed", "max_new_tokens",
+                 "clusters"):
       if getattr(self, name) < 1:
         raise ValueError(f"CurriculumConfig.{name} must be >= 1, got {getattr(self, name)}")
+    if self.variants_per_seed > self.proposals_per_seed:
+      raise ValueError(f"CurriculumConfig.variants_per_seed ({self.variants_per_seed}) must not exceed "
+                       f"proposals_per_seed ({self.proposals_per_seed}): the selection keeps some of the proposals")
     if self.generate_every < 0 or not 0 <= self.ema < 1 or self.temperature <= 0:
       raise ValueError("CurriculumConfig: generate_every >= 0, 0 <= ema < 1 and temperature > 0 are required")
 
 
 class CurriculumTasks:
   """DreamGym's task source: the task pool, its statistics and M_task. `draw` picks an iteration's tasks; `update`
-  folds the rollout's returns into the statistics and, every `generate_every` iterations, has M_task write variants
-  of the highest-variance seeds. With `enabled=False` it draws the seed tasks uniformly (`UniformTasks`) and generates
-  nothing. `algorithm` "ppo" ranks tasks by k-means clusters of instructions (no per-task group)."""
+  folds the rollout's outcome rewards into the statistics and, every `generate_every` iterations, has M_task propose
+  variants of the highest-variance seeds and select among them. With `enabled=False` it draws the seed tasks
+  uniformly (`UniformTasks`) and generates nothing. `algorithm` "ppo" ranks tasks by k-means clusters of
+  instructions (no per-task group)."""
 
   def __init__(self, c: CurriculumConfig, seeds: list[Task], records: list[TrajectoryRecord], *, tasks_per_iteration: int,
                algorithm: str, seed: int, root: jax.Array, sampler: Sampler | None, exp_params, exp_tok, encode):
@@ -104,10 +125,11 @@ class CurriculumTasks:
     return np.asarray([self.pool.slot_of(t.task_id) for t in tasks], np.int32)
 
   def update(self, episode_slots: np.ndarray, returns: np.ndarray, iteration: int,
-             valid: np.ndarray | None = None) -> dict[str, float]:
-    """Folds the episodes' returns (episode e ran the task in pool slot `episode_slots[e]`) into the statistics, then
-    (every generate_every iterations) generates variants. Each drawn task ran G episodes, so means over episodes are
-    means over the draw. Episodes with `valid` False (the env failed on them) are left out of the statistics."""
+             valid: np.ndarray | None = None) -> dict[str, Any]:
+    """Folds the episodes' rewards (episode e ran the task in pool slot `episode_slots[e]`; pass `outcome_rewards`,
+    the binary outcomes) into the statistics, then (every generate_every iterations) generates variants. Each drawn
+    task ran G episodes, so means over episodes are means over the draw. Episodes with `valid` False (the env failed
+    on them) are left out of the statistics."""
     groups = None
     if self.algorithm == "ppo":  # no per-task group: clusters of instructions rank the tasks
       by_slot = clusters.pool_groups(self.pool, self.encode, phase_key(self.root, iteration, PHASE_CLUSTERS),
@@ -125,7 +147,10 @@ class CurriculumTasks:
       out.update(self.generate(iteration))
     return out
 
-  def generate(self, iteration: int) -> dict[str, float]:
+  def generate(self, iteration: int) -> dict[str, Any]:
+    """One M_task round. Its metrics: the candidates' counts (generation_<reason>), the selection's prompts and
+    fallbacks, and `generation_log`, the per-seed records of task_gen.log_record (proposed, selected, rejected with
+    the reason), which go to metrics.jsonl with the iteration's row."""
     seeds = np.asarray(cstate.seeds_for_generation(self.pool.state, k=self.c.seeds_per_round,
                                                    min_variance=self.c.min_variance, max_depth=self.c.max_depth,
                                                    max_children=self.c.variants_per_seed * 4))
@@ -136,12 +161,15 @@ class CurriculumTasks:
     existing = [t.instruction for t in self.pool.tasks if t is not None]
     result = generate_variants(self.sampler, self.exp_params, self.exp_tok, examples,
                                phase_key(self.root, iteration, PHASE_GENERATION), self.c.variants_per_seed,
-                               existing=existing, counters=self.pool.variant_counters, cfg=self.c.generation)
+                               proposals=self.c.proposals_per_seed, existing=existing,
+                               counters=self.pool.variant_counters, cfg=self.c.generation)
     placed = self.pool.add_generated(list(result.tasks)) if result.tasks else np.zeros(0, np.int32)
     for k, v in result.counts.items():
       self.generation_counts[k] = self.generation_counts.get(k, 0) + v
     return {"generated": int((placed >= 0).sum()), "generation_candidates": sum(result.counts.values()),
-            **{f"generation_{k}": v for k, v in result.counts.items()}}
+            **{f"generation_{k}": v for k, v in result.counts.items()},
+            "generation_selection_prompts": result.selection["prompts"],
+            "generation_selection_fallbacks": result.selection["fallbacks"], "generation_log": list(result.log)}
 
   def _lineage(self, task: Task) -> tuple[str, tuple[str, ...]]:
     """A generated task's grounding: its root seed's example state (actions are the seed's, so none are shown)."""

@@ -49,6 +49,7 @@ from dreamjax.experience.annotate import Annotation, Annotator, ending, rule_ann
 from dreamjax.experience.format import TAGS, clip
 
 FAILURE_MODES = ("raise", "fallback")
+FALLBACK_MARK = "(teacher fallback)"  # appended to the annotator name of an annotation the fallback wrote
 _MARKERS = tuple(m for tag in TAGS for m in (f"<{tag}>", f"</{tag}>"))
 _ENDINGS = {"success": "success", "step_limit": "failure (the step limit was reached)",
             "invalid_action": "failure (an invalid action ended the episode)",
@@ -233,7 +234,7 @@ class TeacherAnnotator:
     warnings.warn(f"{message}; using {fallback.name} instead", stacklevel=2)
     self._count(fallbacks=1)
     annotation = fallback.annotate(record)
-    return dataclasses.replace(annotation, annotator=f"{annotation.annotator or fallback.name} (teacher fallback)")
+    return dataclasses.replace(annotation, annotator=f"{annotation.annotator or fallback.name} {FALLBACK_MARK}")
 
   def _count(self, **deltas: int) -> None:
     with self._lock:

@@ -22,12 +22,12 @@ import jax
 import numpy as np
 
 from dreamjax.curriculum.pool import TaskPool
-from dreamjax.curriculum.source import CurriculumTasks
+from dreamjax.curriculum.source import CurriculumTasks, outcome_rewards
 from dreamjax.data.records import TrajectoryRecord, read_trajectory_files
 from dreamjax.envs.base import Task
 from dreamjax.experience.synthetic_env import SyntheticEnv
 from dreamjax.loop.evaluate import unparsed_rows
-from dreamjax.loop.learner import RLConfig, episode_returns
+from dreamjax.loop.learner import RLConfig
 from dreamjax.loop.run import Hook
 from dreamjax.parallel import MeshConfig, barrier, check_same, is_primary, make_mesh, spans_every_process
 from dreamjax.replay.buffer import ReplayBuffer
@@ -97,10 +97,9 @@ class DreamGymHook(Hook):
   counters and the buffer's marks."""
 
   def __init__(self, synthetic: SyntheticEnv, curriculum: CurriculumTasks, buffer: ReplayBuffer, marks: list[int],
-               retriever, tokenizer: Tokenizer, invalid_penalty: float, write_back: bool):
+               retriever, tokenizer: Tokenizer, write_back: bool):
     self.synthetic, self.curriculum, self.buffer, self.marks = synthetic, curriculum, buffer, marks
-    self.retriever, self.tokenizer, self.invalid_penalty, self.write_back = retriever, tokenizer, invalid_penalty, \
-        write_back
+    self.retriever, self.tokenizer, self.write_back = retriever, tokenizer, write_back
 
   def before_iteration(self, iteration: int) -> None:
     self.synthetic.start_iteration(iteration)
@@ -118,7 +117,7 @@ class DreamGymHook(Hook):
     # Every process must have drawn the same tasks and grounded M_exp on the same neighbours.
     check_same(f"the curriculum draw, M_exp's retrievals and the replay buffer of iteration {iteration + 1}",
                slots, self.synthetic.digest(), np.asarray([len(self.buffer)], np.int64))
-    out = self.curriculum.update(slots, episode_returns(traj, self.invalid_penalty), iteration, ~traj.env_error)
+    out = self.curriculum.update(slots, outcome_rewards(traj), iteration, ~traj.env_error)
     s = self.synthetic.stats
     return out | {"replay_size": len(self.buffer), "exp_parse_failures": s["parse_failures"],
                   "exp_overflows": s["overflows"], "exp_truncations": s["truncations"],
