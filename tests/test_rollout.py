@@ -21,7 +21,7 @@ from dreamjax.models import Transformer, init_params, tiny
 from dreamjax.rl.batch import rl_batch
 from dreamjax.rollout.agent import INVALID_ANSWER, AgentFormat, build_turn_prompt, format_answer, parse_answer, user_text
 from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
-from dreamjax.sampling import sampling_params
+from dreamjax.sampling import SpeculativeConfig, sampling_params, speculation_rates
 from dreamjax.text import Kind, train_bpe_tokenizer
 
 ONE_ROOM = "numLocations=1, includeDoors=0"  # the coin lies in the start room: gold path "look around", "take coin"
@@ -354,6 +354,26 @@ def test_fine_tuned_policy_acts_in_the_real_env(twx, tok, policy_cfg, tuned_para
       pytest.fail("an admissible action came back invalid")
   assert traj.ended[2] == bool(traj.done[rows[-1]])
   assert traj.stats["parse_failures"] + traj.stats["env_invalid"] == int(traj.invalid.sum())
+
+
+def test_speculative_rollouts_equal_plain_ones_under_greedy_decoding(twx, tok, policy_cfg, tuned_params, far_tasks):
+  """Copy-speculative decoding in the engine: the tuned policy's answers copy actions listed in its prompt, so some
+  drafts are accepted, and the greedy trajectories are the plain engine's token for token, log-probs to float
+  rounding."""
+  near = tasks("coin", "test", 2, params=ONE_ROOM, env=twx.envs[0])
+  plain = RolloutEngine(policy_cfg, tok, FMT, GREEDY).run(tuned_params, twx, near + far_tasks[:1], jax.random.key(0))
+  spec_cfg = dataclasses.replace(GREEDY, speculative=SpeculativeConfig(draft_tokens=4))
+  engine = RolloutEngine(policy_cfg, tok, FMT, spec_cfg)
+  traj = engine.run(tuned_params, twx, near + far_tasks[:1], jax.random.key(0))
+  for name in ("tokens", "lengths", "loss_mask", "reward", "done", "invalid"):
+    np.testing.assert_array_equal(getattr(traj, name), getattr(plain, name), err_msg=name)
+  np.testing.assert_allclose(traj.rollout_logp, plain.rollout_logp, rtol=1e-5, atol=1e-5)
+  rates = speculation_rates(traj.stats)  # answers are two or three tokens here: little to draft, but some
+  assert rates["accepted_per_step"] > 0.1 and rates["tokens_per_forward"] > 1.1, rates
+  assert speculation_rates(plain.stats) == {"accepted_per_step": 0.0, "tokens_per_forward": 1.0}
+  assert traj.stats["answer_tokens"] == traj.stats["sampled_tokens"]
+  with pytest.raises(ValueError, match="speculative settings"):
+    RolloutEngine(policy_cfg, tok, FMT, GREEDY, sampler=engine.sampler)
 
 
 def test_an_env_step_budget_is_exact_and_cuts_rows_in_order(twx, tok, policy_cfg, tuned_params, far_tasks):

@@ -68,6 +68,7 @@ from dreamjax.rl.update import SkipCounter, make_train_step
 from dreamjax.rollout.agent import INVALID_ANSWER, AgentFormat, format_answer, user_text
 from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
 from dreamjax.rollout.trajectory import Trajectories
+from dreamjax.sampling import speculation_rates
 from dreamjax.text import Tokenizer
 
 ALGORITHMS = {"grpo": ("grpo",), "ppo": ("gae_turn", "gae_token")}  # algorithm -> advantages it accepts
@@ -447,7 +448,7 @@ class PolicyLearner:
         parse_failure_rate=float(unparsed.mean()), truncated_rate=float(1 - traj.ended.mean()),
         sampled_tokens=int(stats["sampled_tokens"]), batch_tokens=int(traj.lengths.sum()),
         env_steps=int((~unparsed).sum()), rollout_s=stats["total_s"], sample_s=stats["sample_s"],
-        env_s=stats["env_s"], iteration_s=time.perf_counter() - t_start, **times)
+        env_s=stats["env_s"], iteration_s=time.perf_counter() - t_start, **speculation_rates(stats), **times)
     return metrics, traj
 
   def evaluate(self, env: BatchEnv, tasks: list[Task]) -> dict[str, Any]:

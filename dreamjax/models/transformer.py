@@ -7,6 +7,8 @@ Every parameter carries logical axis names; `dreamjax.parallel` maps them to mes
 
 Attention masking is expressed in cache *slots*: a query in slot q sees key slot k iff k <= q and the key is valid.
 Positions (for RoPE) are passed separately, so left padding, right padding and cached decoding all use one code path.
+The cache write slot is one scalar for the batch, or one per row (speculative decoding: rows accept different numbers
+of draft tokens, so each row writes its next tokens where its own sequence ends).
 """
 
 from __future__ import annotations
@@ -76,9 +78,10 @@ class RMSNorm(nn.Module):
 
 def _attend(
     q: Float[Array, "B K G T D"], keys: Float[Array, "B K D S"], values: Float[Array, "B K S D"],
-    q_slots: Int[Array, " T"], key_valid: Bool[Array, "B S"], chunk: int,
+    q_slots: Int[Array, " T"] | Int[Array, "B T"], key_valid: Bool[Array, "B S"], chunk: int,
 ) -> Float[Array, "B K G T D"]:
   """Causal softmax attention in cache slots (query slot q sees valid key slots <= q), `chunk` queries at a time.
+  `q_slots` is shared by the batch [T] or per row [B, T].
 
   The float32 scores of all queries at once are the largest temporary of a long forward (prompts x slots x heads
   per row), so longer inputs go block by block through `lax.map`; each block is rematerialised in the backward pass,
@@ -88,7 +91,10 @@ def _attend(
 
   def block(q, q_slots):
     scores = jnp.einsum("bkgtd,bkds->bkgts", q, keys, preferred_element_type=jnp.float32) * (d**-0.5)
-    mask = (jnp.arange(keys.shape[-1])[None, :] <= q_slots[:, None])[None] & key_valid[:, None, :]  # [B, T, S]
+    if q_slots.ndim == 1:
+      mask = (jnp.arange(keys.shape[-1])[None, :] <= q_slots[:, None])[None] & key_valid[:, None, :]  # [B, T, S]
+    else:
+      mask = (jnp.arange(keys.shape[-1])[None, None, :] <= q_slots[:, :, None]) & key_valid[:, None, :]
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     return jnp.einsum("bkgts,bksd->bkgtd", jax.nn.softmax(scores, axis=-1).astype(dt), values)
 
@@ -97,10 +103,11 @@ def _attend(
     return block(q, q_slots)
   n = -(-t // chunk)
   # Padded queries take slots past the last one; their rows are computed and dropped.
-  q_slots = q_slots[0] + jnp.arange(n * chunk)
+  q_slots = q_slots[..., :1] + jnp.arange(n * chunk)
   q = jnp.pad(q, ((0, 0), (0, 0), (0, 0), (0, n * chunk - t), (0, 0)))
   blocks = q.reshape(b, k, g, n, chunk, d).transpose(3, 0, 1, 2, 4, 5)
-  out = jax.lax.map(jax.checkpoint(lambda a: block(*a)), (blocks, q_slots.reshape(n, chunk)))
+  slot_blocks = q_slots.reshape(n, chunk) if q_slots.ndim == 1 else q_slots.reshape(b, n, chunk).transpose(1, 0, 2)
+  out = jax.lax.map(jax.checkpoint(lambda a: block(*a)), (blocks, slot_blocks))
   return out.transpose(1, 2, 3, 0, 4, 5).reshape(b, k, g, n * chunk, d)[:, :, :, :t]
 
 
@@ -131,8 +138,16 @@ class Attention(nn.Module):
     keys, values, new_cache = new_k, new_v, None
     if layer_cache is not None:
       ck, cv = layer_cache
-      ck = jax.lax.dynamic_update_slice_in_dim(ck, new_k.astype(ck.dtype), cache_index, axis=3)
-      cv = jax.lax.dynamic_update_slice_in_dim(cv, new_v.astype(cv.dtype), cache_index, axis=2)
+      if jnp.ndim(cache_index) == 1:
+        # Per-row slots: a batched dynamic update (a scatter of T slots per row), never a pass over the whole cache.
+        def write(c, x, axis):
+          return jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, axis))(c, x, cache_index)
+
+        ck = write(ck, new_k.astype(ck.dtype), 2)  # per row: [K, D, S], slots on axis 2
+        cv = write(cv, new_v.astype(cv.dtype), 1)  # per row: [K, S, D]
+      else:
+        ck = jax.lax.dynamic_update_slice_in_dim(ck, new_k.astype(ck.dtype), cache_index, axis=3)
+        cv = jax.lax.dynamic_update_slice_in_dim(cv, new_v.astype(cv.dtype), cache_index, axis=2)
       new_cache = (ck, cv)
       if isinstance(cache_index, int) and cache_index == 0:
         # A prefill into an empty cache: the new tokens are all the keys there are, so attending over the cache's
@@ -201,12 +216,14 @@ class Transformer(nn.Module):
       positions: Int[Array, "B T"],
       key_valid: Bool[Array, "B S"],
       cache: KVCache | None = None,
-      cache_index: Int[Array, ""] | int = 0,
+      cache_index: Int[Array, ""] | Int[Array, " B"] | int = 0,
       last_only: bool = False,
       return_hidden: bool = False,
       values_only: bool = False,
   ) -> ModelOutput:
     """`key_valid` marks valid key slots: [B, T] without a cache, [B, cache.slots] with one (new tokens included).
+    `cache_index`: the first cache slot the T new tokens take, shared [] or per row [B]; the caller keeps every row's
+    T slots inside the cache (XLA clamps a write that would run past its end onto earlier slots).
 
     `return_hidden` also returns the final-norm hidden states (what the LM head reads), e.g. for pooled text
     embeddings; under jit, a caller that uses only them lets XLA drop the vocabulary projection.
@@ -218,7 +235,8 @@ class Transformer(nn.Module):
     dt = jnp.dtype(cfg.dtype)
     embedding = _param(self, "embed", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"))
     x = constrain(jnp.take(embedding, tokens, axis=0).astype(dt), ("batch", "seq", "act_embed"))
-    q_slots = cache_index + jnp.arange(tokens.shape[1])
+    per_row = jnp.ndim(cache_index) == 1
+    q_slots = (jnp.asarray(cache_index)[:, None] if per_row else cache_index) + jnp.arange(tokens.shape[1])
 
     block = Block
     if cfg.remat != "none":

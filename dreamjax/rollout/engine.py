@@ -30,6 +30,11 @@ state), so nothing the policy said is lost. The history shown in later prompts h
 Host work (prompt building, decoding, parsing, env stepping) runs outside jit; `stats` splits the wall time of the
 last run into sampling, env and host seconds.
 
+`RolloutConfig.speculative` turns on the sampler's copy-speculative decoding (an answer mostly copies an admissible
+action listed in its prompt): the same tokens under greedy decoding, the same distribution when sampling
+(dreamjax/sampling/sampler.py). `stats` counts the sampler's forward passes and accepted draft tokens, from which
+`speculation_rates` gives the acceptance length that rollouts log.
+
 The engine sees the env only through the BatchEnv protocol, so real envs, env pools and the experience model's
 SyntheticEnv are driven the same way.
 """
@@ -51,7 +56,7 @@ from dreamjax.models.config import ModelConfig
 from dreamjax.parallel.distributed import to_host
 from dreamjax.rollout.agent import INVALID_ANSWER, AgentFormat, build_turn_prompt, fit_turn_prompt, parse_answer
 from dreamjax.rollout.trajectory import Trajectories
-from dreamjax.sampling import Sampler, left_pad, sampling_params
+from dreamjax.sampling import Sampler, SpeculativeConfig, count_speculation, left_pad, sampling_params
 from dreamjax.text import Kind, SegmentBuilder, Tokenizer
 
 
@@ -65,6 +70,7 @@ class RolloutConfig:
   temperature: float = 1.0  # <= 0: greedy
   top_p: float = 1.0
   top_k: int = 0
+  speculative: SpeculativeConfig = SpeculativeConfig()  # copy-speculative decoding (draft_tokens 0: off)
 
   def __post_init__(self):
     for name in ("group_size", "max_turns", "max_action_tokens", "max_episode_tokens"):
@@ -131,10 +137,12 @@ class RolloutEngine:
     self.policy_cfg, self.tokenizer, self.format, self.cfg = policy_cfg, tokenizer, agent_format, rollout_cfg
     # Engines of one model with the same action budget may share a sampler (temperature and the other settings are
     # runtime arguments), so evaluation reuses the rollout's compilations.
-    if sampler is not None and (sampler.max_new_tokens, sampler.pad_id) != (rollout_cfg.max_action_tokens,
-                                                                           tokenizer.pad_id):
-      raise ValueError("RolloutEngine: a shared sampler must have this engine's max_action_tokens and pad id")
-    self.sampler = sampler or Sampler(policy_cfg, rollout_cfg.max_action_tokens, pad_id=tokenizer.pad_id, mesh=mesh)
+    if sampler is not None and (sampler.max_new_tokens, sampler.pad_id, sampler.speculative) != (
+        rollout_cfg.max_action_tokens, tokenizer.pad_id, rollout_cfg.speculative):
+      raise ValueError("RolloutEngine: a shared sampler must have this engine's max_action_tokens, pad id and "
+                       "speculative settings")
+    self.sampler = sampler or Sampler(policy_cfg, rollout_cfg.max_action_tokens, pad_id=tokenizer.pad_id, mesh=mesh,
+                                      speculative=rollout_cfg.speculative)
     self.stop_ids = tuple(dict.fromkeys((tokenizer.chat_format.end_of_turn, *tokenizer.eos_ids)))
     self._frame = np.full(len(tokenizer.chat_format.generation_prompt), Kind.ACTION_FRAME, np.int32)
 
@@ -198,6 +206,7 @@ class RolloutEngine:
       out = to_host(self.sampler(params, tokens, mask, keys, sp.replace(max_new_tokens=jnp.asarray(budget))))
       stats["sample_s"] += time.perf_counter() - t0
       stats["turns"] += 1
+      count_speculation(stats, out, live)
 
       actions: list[str | None] = [None] * n
       answers = {}

@@ -1,6 +1,19 @@
 """Batched jitted sampling with per-row settings, stop sequences and log-probs."""
 
-from dreamjax.sampling.logits import choose_tokens, truncation_mask
-from dreamjax.sampling.sampler import SampleOutput, Sampler, SamplingParams, left_pad, sampling_params
+from dreamjax.sampling.logits import choose_tokens, truncation_mask, verify_draft
+from dreamjax.sampling.sampler import (
+    SPECULATION_KEYS,
+    SampleOutput,
+    Sampler,
+    SamplingParams,
+    SpeculativeConfig,
+    count_speculation,
+    left_pad,
+    prompt_lookup,
+    sampling_params,
+    speculation_rates,
+)
 
-__all__ = ["choose_tokens", "truncation_mask", "SampleOutput", "Sampler", "SamplingParams", "left_pad", "sampling_params"]
+__all__ = ["SPECULATION_KEYS", "choose_tokens", "truncation_mask", "verify_draft", "SampleOutput", "Sampler",
+           "SamplingParams", "SpeculativeConfig", "count_speculation", "left_pad", "prompt_lookup", "sampling_params",
+           "speculation_rates"]

@@ -5,13 +5,17 @@ bisection on the int32 bit pattern of -log p (monotone for non-negative floats):
 would give (ties at the cut-off are kept together). Sampling inside the kept set uses one uniform per row and an
 inverse CDF over 128-wide blocks, instead of a Gumbel variate per vocabulary entry.
 All settings are arrays, so changing them never recompiles.
+
+`verify_draft` is the same processing applied to a speculative verify step (several positions per row): the
+speculative-sampling acceptance rule with a point-mass draft, so the tokens it yields follow exactly the distribution
+`choose_tokens` samples from.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 _BLOCK = 128
 
@@ -100,3 +104,48 @@ def choose_tokens(
 
   tokens = jax.lax.cond(jnp.all(greedy), lambda: argmax, sample).astype(jnp.int32)
   return tokens, jnp.take_along_axis(logp, tokens[:, None], -1)[:, 0]
+
+
+def verify_draft(
+    logits: Float[Array, "B T V"],
+    draft: Int[Array, "B T"],
+    has_draft: Bool[Array, "B T"],
+    u_accept: Float[Array, "B T"],
+    u_sample: Float[Array, "B T"],
+    temperature: Float[Array, " B"],
+    top_p: Float[Array, " B"],
+    top_k: Int[Array, " B"],
+) -> tuple[Int[Array, "B T"], Float[Array, "B T"], Bool[Array, "B T"]]:
+  """Checks draft tokens against the model's distribution at each position: (token, its log-prob, accepted).
+
+  `logits[:, j]` is the model's next-token distribution given the draft up to position j. Where `has_draft`, draft
+  token d is accepted with probability p(d) (speculative sampling's min(1, p/q) with the draft a point mass q = 1 at
+  d), and on rejection the token is drawn from the residual norm(max(0, p - q)), which is p with d removed and
+  renormalised; positions without a draft draw from p. Either way P(token = x) = p(d) [x = d] + (1 - p(d)) p(x) [x != d]
+  / (1 - p(d)) = p(x): exactly `choose_tokens`' distribution (same temperature, top-k and top-p; the same draw from p
+  where there is no draft). Greedy rows accept iff the draft is the argmax, and their token is the argmax.
+  A caller keeps each row's tokens up to its first rejection, which it includes (the correction, or after all drafts
+  accepted the bonus token from the position after them).
+  """
+  b, t, v = logits.shape
+  greedy = temperature <= 0
+  temp = jnp.where(greedy, 1.0, temperature)[:, None, None]
+  logp = jax.nn.log_softmax(logits / temp, axis=-1)
+  argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  greedy_accept = has_draft & (argmax == draft)
+
+  def sample():
+    # Row settings repeated for each of the row's positions.
+    kept = truncation_mask(logp.reshape(b * t, v), jnp.repeat(jnp.where(greedy, 1.0, top_p), t),
+                           jnp.repeat(jnp.where(greedy, 0, top_k), t))
+    weights = jnp.where(kept.reshape(b, t, v), jnp.exp(logp), 0.0)
+    p_draft = jnp.take_along_axis(weights, draft[..., None], -1)[..., 0] / jnp.sum(weights, -1)
+    accept = has_draft & (u_accept < p_draft)
+    residual = jnp.where((jnp.arange(v) == draft[..., None]) & has_draft[..., None], 0.0, weights)
+    # An all-zero residual (p(d) = 1) is never used, since then the draft is always accepted; clip its index anyway.
+    drawn = jnp.minimum(_inverse_cdf(residual.reshape(b * t, v), u_sample.reshape(b * t)), v - 1).reshape(b, t)
+    g = greedy[:, None]
+    return jnp.where(g, argmax, jnp.where(accept, draft, drawn)), jnp.where(g, greedy_accept, accept)
+
+  tokens, accepted = jax.lax.cond(jnp.all(greedy), lambda: (argmax, greedy_accept), sample)
+  return tokens, jnp.take_along_axis(logp, tokens[..., None], -1)[..., 0], accepted

@@ -3,10 +3,20 @@
 Prompts may be left- or right-padded and of different lengths: they are re-aligned on device so every row ends at the
 same cache slot, which lets all rows write each new token at one shared slot (a scalar dynamic update, no scatter).
 RoPE positions are per row, so the padding never shows in the model's output.
+
+With `SpeculativeConfig(draft_tokens=K)` the loop instead runs copy-speculative (prompt-lookup) decoding: an experience
+model's next state mostly repeats the state in its prompt, and a policy's action copies an admissible action listed
+there, so each step drafts up to K tokens per row by looking the row's last tokens up in its own prompt and output (no
+draft model), checks them all in one forward over the KV cache, and keeps each row's longest accepted prefix plus one
+token from the model. Rows then advance at different rates, so each row writes the cache at its own slot (the slot
+after its last accepted token: rejected drafts' keys and values lie past it, hidden by the causal mask until the
+row's next step overwrites them). Greedy output equals plain decoding's, sampled output has exactly its distribution
+(`logits.verify_draft`), and the log-probs are the model's, as with plain decoding.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 
@@ -21,7 +31,7 @@ from dreamjax.models.config import ModelConfig
 from dreamjax.models.transformer import KVCache, Transformer
 from dreamjax.parallel.distributed import to_devices
 from dreamjax.parallel.sharding import SAMPLE_RULES, Rules, named_sharding, tree_shardings
-from dreamjax.sampling.logits import choose_tokens
+from dreamjax.sampling.logits import choose_tokens, verify_draft
 
 
 @flax.struct.dataclass
@@ -35,12 +45,46 @@ class SamplingParams:
   stop: Int[Array, "B N S"]  # stop token sequences, right-aligned, -1 padded on the left
 
 
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+  """Copy-speculative (prompt-lookup) decoding, fixed when a `Sampler` is built (it sets the loop's shapes).
+
+  Each step, a row's last n tokens (n from `max_ngram` down to `min_ngram`: the longest that occurs earlier wins) are
+  looked up in the row's prompt and the tokens it has generated so far, and the latest occurrence wins: the tokens that
+  followed it are the draft. Searching the output too catches a model repeating itself, and the latest occurrence is
+  the most local context (the current state in an experience model's prompt comes after the retrieved examples).
+  A match ending k tokens before the row's end continues with period k past the known tokens, so a repeating pattern
+  drafts all K tokens. `draft_tokens` 0 is plain decoding (the default).
+  """
+
+  draft_tokens: int = 0  # K: draft tokens checked per forward
+  max_ngram: int = 3
+  min_ngram: int = 1
+
+  def __post_init__(self):
+    if self.draft_tokens < 0 or not 1 <= self.min_ngram <= self.max_ngram:
+      raise ValueError(f"SpeculativeConfig: need draft_tokens >= 0 and 1 <= min_ngram <= max_ngram, got {self}")
+
+
 @flax.struct.dataclass
 class SampleOutput:
   tokens: Int[Array, "B N"]  # generated ids; pad_id after each row's end
   logps: Float[Array, "B N"]  # log-prob of each generated token at the row's temperature; 0 after the end
   lengths: Int[Array, " B"]  # generated tokens per row, stop sequence included
   stopped: Bool[Array, " B"]  # ended by a stop sequence (False: ran out of budget)
+  # Forward passes that chose this row's tokens (the prefill included): `lengths` without speculation.
+  forwards: Int[Array, " B"] | None = None
+  # Draft tokens accepted and emitted. lengths = forwards + draft_accepted, less one where a row's last step ended
+  # on an accepted draft (a stop sequence or the budget cut the step short).
+  draft_accepted: Int[Array, " B"] | None = None
+
+  def speculation_stats(self) -> dict[str, float]:
+    """The batch's `speculation_rates`: draft tokens accepted per verify step, tokens per forward pass."""
+    if self.forwards is None or self.draft_accepted is None:
+      return {}
+    stats: dict[str, int] = {}
+    count_speculation(stats, self, range(np.shape(self.lengths)[0]))
+    return speculation_rates(stats)
 
 
 @flax.struct.dataclass
@@ -167,19 +211,182 @@ def _sample(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, *, cfg
   # N tokens need N - 1 forwards after the prefill: the loop emits and advances, the last token is emitted after it.
   s = jax.lax.while_loop(lambda s: (s.step < max_new_tokens - 1) & ~jnp.all(s.done), lambda s: advance(emit(s)), state)
   s = emit(s)
-  return SampleOutput(tokens=s.tokens, logps=s.logps, lengths=s.lengths, stopped=s.stopped)
+  return SampleOutput(tokens=s.tokens, logps=s.logps, lengths=s.lengths, stopped=s.stopped, forwards=s.lengths,
+                      draft_accepted=jnp.zeros_like(s.lengths))
+
+
+def prompt_lookup(seq: Int[Array, "B L"], valid: Bool[Array, "B L"], end: Int[Array, " B"], draft_tokens: int,
+                  max_ngram: int, min_ngram: int = 1) -> tuple[Int[Array, "B K"], Bool[Array, " B"]]:
+  """Per row, the `draft_tokens` tokens that followed the latest earlier occurrence of the row's last n tokens
+  `seq[end - n + 1 : end + 1]`, the longest n in [min_ngram, max_ngram] winning, among its `valid` slots (one
+  contiguous run ending at `end`). A match ending at i repeats seq[i + 1 : end + 1] periodically, so the draft never
+  reads past `end`. `found` is False where no n-gram matches (the draft is then arbitrary). Fixed shapes, no sort:
+  O(L * max_ngram) comparisons per row."""
+  b, length = seq.shape
+  col = jnp.arange(length)
+  run = jnp.zeros((b, length), jnp.int32)  # how many of the row's last tokens match the tokens ending at each slot
+  matching = jnp.ones((b, length), bool)
+  for t in range(max_ngram):
+    target = jnp.take_along_axis(seq, jnp.maximum(end - t, 0)[:, None], 1)
+    earlier = jnp.pad(seq, ((0, 0), (t, 0)))[:, :length]  # earlier[:, i] = seq[:, i - t]
+    earlier_valid = jnp.pad(valid, ((0, 0), (t, 0)))[:, :length]
+    matching &= earlier_valid & (earlier == target)
+    run += matching
+  score = jnp.where((col[None] < end[:, None]) & (run >= min_ngram), run * length + col, -1)
+  best = jnp.argmax(score, -1)
+  period = jnp.maximum(end - best, 1)
+  src = best[:, None] + 1 + jnp.arange(draft_tokens)[None] % period[:, None]
+  return jnp.take_along_axis(seq, jnp.minimum(src, length - 1), 1), jnp.max(score, -1) >= 0
+
+
+SPECULATION_KEYS = ("forwards", "draft_accepted", "answers", "answer_tokens")
+
+
+def count_speculation(stats: dict, out: SampleOutput, rows: Sequence[int]) -> None:
+  """Adds `rows`' forward passes, accepted draft tokens, answers (rows that produced a token) and their tokens to
+  `stats` (`SPECULATION_KEYS`), the running totals a caller keeps over many sampler calls."""
+  rows = list(rows)
+  lengths = np.asarray(out.lengths)[rows]
+  # An output without the counts (a stand-in sampler) decoded plainly: one forward per token, nothing drafted.
+  forwards = lengths if out.forwards is None else np.asarray(out.forwards)[rows]
+  accepted = 0 if out.draft_accepted is None else np.asarray(out.draft_accepted)[rows]
+  for name, value in (("forwards", forwards), ("draft_accepted", accepted), ("answers", lengths > 0),
+                      ("answer_tokens", lengths)):
+    stats[name] = stats.get(name, 0) + int(np.sum(value))
+
+
+def speculation_rates(stats: dict) -> dict[str, float]:
+  """From `count_speculation`'s totals: draft tokens accepted per verify step (0 without speculation) and tokens per
+  forward pass (1.0 without). Each answer's first token comes from its prefill, which verifies nothing: not a step."""
+  forwards = stats.get("forwards", 0)
+  return dict(accepted_per_step=stats.get("draft_accepted", 0) / max(forwards - stats.get("answers", 0), 1),
+              tokens_per_forward=stats.get("answer_tokens", 0) / max(forwards, 1))
+
+
+@flax.struct.dataclass
+class _SpecState:
+  iters: Int[Array, ""]
+  seq: Int[Array, "B L"]  # aligned prompt, then the generated tokens (pad_id after each row's end): cache slot order
+  logps: Float[Array, "B N"]
+  lengths: Int[Array, " B"]
+  done: Bool[Array, " B"]
+  stopped: Bool[Array, " B"]
+  tail: Int[Array, "B S"]
+  forwards: Int[Array, " B"]
+  draft_accepted: Int[Array, " B"]
+  cache: KVCache
+
+
+def _sample_speculative(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, *, cfg: ModelConfig,
+                        max_new_tokens: int, pad_id: int, spec: SpeculativeConfig) -> SampleOutput:
+  """`_sample` with copy-speculative decoding: each loop step drafts K tokens per row by prompt lookup, runs one
+  forward over [last token, K drafts] and emits each row's accepted prefix plus one token (1 to K + 1 tokens)."""
+  model = Transformer(cfg)
+  k, n_max = spec.draft_tokens, max_new_tokens
+  batch, prompt_len = prompt_tokens.shape
+  tokens, mask, plen = _left_align(prompt_tokens, prompt_mask)
+  positions = jnp.maximum(jnp.cumsum(mask, -1) - 1, 0)
+  # K spare slots: a finished row still writes K + 1 slots from its last token, and XLA would clamp a write that ran
+  # past the end of the cache back onto earlier slots. Generated slots are all valid: the causal mask hides a row's
+  # slots past its query, which are the only ones holding rejected drafts.
+  key_valid = jnp.concatenate([mask, jnp.ones((batch, n_max + k), bool)], -1)
+  cache = KVCache.zeros(cfg, batch, prompt_len + n_max + k).constrain()
+  out = model.apply({"params": params}, tokens, positions, key_valid, cache=cache, cache_index=0, last_only=True)
+  budget = jnp.minimum(sp.max_new_tokens, n_max)
+  col = jnp.arange(prompt_len + n_max)
+  prompt_valid = jnp.concatenate([mask, jnp.zeros((batch, n_max), bool)], -1)
+
+  def record(s: _SpecState, token, logp, live) -> _SpecState:
+    """Appends token to each `live` row, with plain decoding's stop-sequence and budget checks: a row that ends here
+    takes no further tokens, even ones accepted in the same verify step."""
+    tail = jnp.where(live[:, None], jnp.concatenate([s.tail[:, 1:], token[:, None]], -1), s.tail)
+    hit = jnp.all((sp.stop == tail[:, None, :]) | (sp.stop < 0), -1) & jnp.any(sp.stop >= 0, -1)
+    lengths = s.lengths + live
+    stopped = s.stopped | (live & jnp.any(hit, -1))
+    at = live[:, None] & (col[None, prompt_len:] == prompt_len + s.lengths[:, None])
+    return s.replace(
+        seq=s.seq.at[:, prompt_len:].set(jnp.where(at, token[:, None], s.seq[:, prompt_len:])),
+        logps=jnp.where(at, logp[:, None], s.logps),
+        lengths=lengths, stopped=stopped, done=s.done | stopped | (lengths >= budget), tail=tail,
+    )
+
+  # The first token comes from the prefill's logits with plain decoding's uniform, so it is plain decoding's token.
+  u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 0)))(keys)
+  token, logp = choose_tokens(out.logits[:, 0], u, sp.temperature, sp.top_p, sp.top_k)
+  live = budget > 0
+  state = _SpecState(
+      iters=jnp.zeros((), jnp.int32),
+      seq=jnp.concatenate([jnp.where(mask, tokens, pad_id), jnp.full((batch, n_max), pad_id, jnp.int32)], -1),
+      logps=jnp.zeros((batch, n_max), jnp.float32),
+      lengths=jnp.zeros((batch,), jnp.int32),
+      done=~live,
+      stopped=jnp.zeros((batch,), bool),
+      tail=jnp.full((batch, sp.stop.shape[-1]), -2, jnp.int32),
+      forwards=live.astype(jnp.int32),
+      draft_accepted=jnp.zeros((batch,), jnp.int32),
+      cache=out.cache,
+  )
+  state = record(state, token, logp, live)
+
+  def step(s: _SpecState) -> _SpecState:
+    live = ~s.done
+    end = prompt_len + s.lengths - 1  # slot of each row's last token, the one whose keys/values are not cached yet
+    valid = prompt_valid | ((col[None] >= prompt_len) & (col[None] <= end[:, None]))
+    draft, found = prompt_lookup(s.seq, valid, end, k, spec.max_ngram, spec.min_ngram)
+    found &= live
+    last = jnp.take_along_axis(s.seq, end[:, None], 1)
+    pos = (plen + s.lengths - 1)[:, None] + jnp.arange(k + 1)
+    # Per row from its own key and length (which grows every step): a row's draws never depend on its neighbours.
+    u = jax.vmap(lambda key, n: jax.random.uniform(jax.random.fold_in(key, n), (2, k + 1)))(keys, s.lengths)
+
+    def verify():
+      o = model.apply({"params": params}, jnp.concatenate([last, draft], 1), pos, key_valid, cache=s.cache,
+                      cache_index=end)
+      # Position K checks no draft: after K accepted drafts it yields the bonus token.
+      has = found[:, None] & (jnp.arange(k + 1) < k)[None]
+      padded = jnp.concatenate([draft, jnp.zeros((batch, 1), jnp.int32)], 1)
+      toks, lps, acc = verify_draft(o.logits, padded, has, u[:, 0], u[:, 1], sp.temperature, sp.top_p, sp.top_k)
+      return toks, lps, jnp.sum(jnp.cumprod(acc, -1), -1), o.cache
+
+    def single():
+      # No row has a draft: one token per row, at the cost of plain decoding (same uniform as verify's position 0).
+      o = model.apply({"params": params}, last, pos[:, :1], key_valid, cache=s.cache, cache_index=end)
+      tok, lp = choose_tokens(o.logits[:, 0], u[:, 1, 0], sp.temperature, sp.top_p, sp.top_k)
+      pad = jnp.zeros((batch, k), jnp.int32)
+      return (jnp.concatenate([tok[:, None], pad], 1), jnp.concatenate([lp[:, None], pad.astype(lp.dtype)], 1),
+              jnp.zeros((batch,), jnp.int32), o.cache)
+
+    toks, lps, n_acc, cache = jax.lax.cond(jnp.any(found), verify, single)
+    s = s.replace(iters=s.iters + 1, cache=cache, forwards=s.forwards + live)
+    for j in range(k + 1):
+      emit = ~s.done & (j <= n_acc)
+      s = record(s, toks[:, j], lps[:, j], emit)
+      s = s.replace(draft_accepted=s.draft_accepted + (emit & (j < n_acc)))
+    return s
+
+  # Every step emits at least one token per live row, so n_max steps always suffice; the bound is only a guard.
+  s = jax.lax.while_loop(lambda s: (s.iters < n_max) & ~jnp.all(s.done), step, state)
+  return SampleOutput(tokens=s.seq[:, prompt_len:], logps=s.logps, lengths=s.lengths, stopped=s.stopped,
+                      forwards=s.forwards, draft_accepted=s.draft_accepted)
 
 
 class Sampler:
   """Binds a model config, output budget and (optionally) a mesh to one jitted sampling function.
 
   Calls with the same batch size and prompt length reuse one compilation whatever the settings, prompts or keys.
+  `speculative` (off by default) turns on copy-speculative decoding; its statistics are in `SampleOutput.forwards`,
+  `.draft_accepted` and `.speculation_stats()`.
   """
 
   def __init__(self, cfg: ModelConfig, max_new_tokens: int, pad_id: int = 0, mesh: jax.sharding.Mesh | None = None,
-               rules: Rules = SAMPLE_RULES):
+               rules: Rules = SAMPLE_RULES, speculative: SpeculativeConfig | None = None):
     self.cfg, self.max_new_tokens, self.pad_id, self.mesh, self.rules = cfg, max_new_tokens, pad_id, mesh, rules
-    self._fn = jax.jit(functools.partial(_sample, cfg=cfg, max_new_tokens=max_new_tokens, pad_id=pad_id))
+    self.speculative = speculative or SpeculativeConfig()
+    if self.speculative.draft_tokens:
+      fn = functools.partial(_sample_speculative, spec=self.speculative)
+    else:
+      fn = _sample  # plain decoding, untouched by speculation
+    self._fn = jax.jit(functools.partial(fn, cfg=cfg, max_new_tokens=max_new_tokens, pad_id=pad_id))
 
   def param_shardings(self):
     """Where parameters should live for sampling (differs from training when training shards over fsdp)."""

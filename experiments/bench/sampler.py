@@ -10,11 +10,18 @@ tokens/s (batch * new tokens / median seconds, prefill included) with the ratios
 writes table.md and results.json to --out. Every case runs `--passes` passes (dreamjax, transformers, tunix, then
 again), and each contender reports its fastest pass's median of `--runs` runs (BENCHMARKS.md's convention: the machine
 is shared, and other work only ever slows a pass down).
+
+A second table measures copy-speculative decoding (`--draft-tokens K`, 0 skips it; `--speculative-only` skips the
+peers): dreamjax with and without it, per batch and mode, on a repetitive prompt (a 16-token segment repeated) and on
+the random prompt above, with the acceptance statistics (`SampleOutput.speculation_stats`) and whether greedy tokens
+equal plain decoding's. On a random model the drafts hit where its greedy output falls into a loop, and a copy of the
+prompt is no likelier than any other text, so acceptance here says little about a trained model's (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -37,7 +44,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from dreamjax.models import load_hf_checkpoint  # noqa: E402
-from dreamjax.sampling import Sampler, sampling_params  # noqa: E402
+from dreamjax.sampling import Sampler, SpeculativeConfig, sampling_params  # noqa: E402
 from experiments.bench import peers  # noqa: E402
 
 STANDARD = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
@@ -75,20 +82,60 @@ def timed(fn: Callable[[int], object], runs: int) -> tuple[float, list[float], o
   return first, times, out
 
 
-def run_dreamjax(cfg, params, sampler: Sampler, prompts: np.ndarray, mode: str, new_tokens: int, runs: int):
+def run_dreamjax(cfg, params, sampler: Sampler, prompts: np.ndarray, mode: str, new_tokens: int, runs: int,
+                 stats: dict | None = None):
+  """Times the sampler; `stats`, when given, receives the last call's `speculation_stats()`."""
   batch = prompts.shape[0]
   sp = sampling_params(batch, new_tokens, temperature=0.0) if mode == "greedy" else \
       sampling_params(batch, new_tokens, temperature=1.0, top_p=0.9)
   mask = np.ones_like(prompts, dtype=bool)
+  last = []
 
   def call(i: int):
     out = sampler(params, prompts, mask, jax.random.key(i), sp)
     out.tokens.block_until_ready()
+    last[:] = [out]
     return np.asarray(out.tokens)
 
   before = sampler.compilations()
   first, times, tokens = timed(call, runs)
+  if stats is not None:
+    stats.update(last[0].speculation_stats())
   return first, times, tokens, sampler.compilations() > before
+
+
+def repetitive_prompts(rng: np.random.Generator, batch: int, length: int, vocab: int) -> np.ndarray:
+  """Per row, a random 16-token segment repeated to `length` tokens: prompt lookup always finds a match."""
+  segment = rng.integers(10, vocab, size=(batch, 16))
+  return np.tile(segment, -(-length // 16))[:, :length].astype(np.int32)
+
+
+def run_speculative(cfg, params, plain: Sampler, spec: Sampler, prompts: np.ndarray, mode: str, new_tokens: int,
+                    runs: int, passes: int) -> dict:
+  """dreamjax with and without speculation on one batch of prompts, passes interleaved; fastest pass's medians."""
+  plain_med, spec_med, stats = [], [], {}
+  for _ in range(passes):
+    plain_out = run_dreamjax(cfg, params, plain, prompts, mode, new_tokens, runs)
+    spec_out = run_dreamjax(cfg, params, spec, prompts, mode, new_tokens, runs, stats)
+    plain_med.append(statistics.median(plain_out[1]))
+    spec_med.append(statistics.median(spec_out[1]))
+  n = prompts.shape[0] * new_tokens
+  row = dict(plain_tok_s=n / min(plain_med), speculative_tok_s=n / min(spec_med), speedup=min(plain_med) / min(spec_med),
+             speculative_compile_s=max(spec_out[0] - statistics.median(spec_out[1]), 0.0), **stats)
+  if mode == "greedy":  # the last runs' tokens: speculation must not change a greedy token
+    row["greedy_tokens_identical"] = bool(np.array_equal(plain_out[2], spec_out[2]))
+  return row
+
+
+def speculative_table(rows: list[dict], spec: SpeculativeConfig) -> str:
+  lines = [f"| speculative (K={spec.draft_tokens}, n-gram {spec.min_ngram}-{spec.max_ngram}) | plain tok/s | "
+           "speculative tok/s | speedup | accepted / step | tokens / forward | greedy tokens identical |",
+           "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    same = {True: "yes", False: "NO"}.get(r.get("greedy_tokens_identical"), "-")
+    lines.append(f"| {r['case']} | {r['plain_tok_s']:.0f} | {r['speculative_tok_s']:.0f} | {r['speedup']:.2f}x | "
+                 f"{r['accepted_per_step']:.2f} | {r['tokens_per_forward']:.2f} | {same} |")
+  return "\n".join(lines)
 
 
 def run_transformers(model, prompts: np.ndarray, mode: str, new_tokens: int, runs: int):
@@ -145,6 +192,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--threads", type=int, default=2, help="CPU threads for both contenders; 0 leaves them alone")
   p.add_argument("--no-prefill", action="store_true", help="skip the prefill-only measurement")
   p.add_argument("--no-tunix", action="store_true", help="skip the tunix peer (also: DREAMJAX_SKIP_PEERS=1)")
+  p.add_argument("--draft-tokens", type=int, default=4, help="K for the speculative table (0: no table)")
+  p.add_argument("--speculative-only", action="store_true", help="only the speculative table (no peers, no prefill)")
   p.add_argument("--small", action="store_true", help="tiny model for a quick smoke test")
   p.add_argument("--model-dir", type=Path, default=None, help="HF folder of the benchmark model (made if missing)")
   p.add_argument("--out", type=Path, default=ROOT / "runs/bench/sampler")
@@ -176,13 +225,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
   model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
   sampler = Sampler(cfg, max_new_tokens=args.new_tokens, pad_id=0)
   prefill_sampler = Sampler(cfg, max_new_tokens=1, pad_id=0)
-  tunix_missing = peers.status(skip=args.no_tunix)
+  spec_cfg = SpeculativeConfig(draft_tokens=args.draft_tokens)
+  spec_sampler = Sampler(cfg, max_new_tokens=args.new_tokens, pad_id=0, speculative=spec_cfg)
+  tunix_missing = peers.status(skip=args.no_tunix or args.speculative_only)
   logits_check = None
   rng = np.random.default_rng(0)
-  rows, prefill = [], []
+  spec_rng = np.random.default_rng(1)  # its own stream: the other cases keep their prompts
+  rows, prefill, spec_rows = [], [], []
   for batch in args.batches:
     prompts = rng.integers(10, cfg.vocab_size, size=(batch, args.prompt_len)).astype(np.int32)
-    for mode in args.modes:
+    for mode in args.modes if not args.speculative_only else ():
       case = f"{mode}, batch {batch}"
       dj, tf, txs = [], [], []  # per pass: (first call s, timed runs s, ...)
       for pass_ in range(args.passes):
@@ -221,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
           row[f"{key}greedy_rows_identical"] = int(same.all(-1).sum())
           log(f"[{case}] greedy tokens equal to {peer}: {same.mean():.1%} ({int(same.all(-1).sum())}/{batch} rows)")
       rows.append(row)
-    if not args.no_prefill:
+    if not args.no_prefill and not args.speculative_only:
       # Prefill cost per contender: one new token. dreamjax's loop also runs one decode step for logits it never uses.
       log(f"[prefill, batch {batch}] ...")
       dj_pre, tf_pre, tx_pre = [], [], []
@@ -232,7 +284,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
           tx_pre.append(run_tunix(folder, prompts, "greedy", 1, args.runs, args.threads, False)["sampler"]["median_s"])
       prefill.append(dict(batch=batch, prompt_len=args.prompt_len, dreamjax_s=min(dj_pre),
                           transformers_s=min(tf_pre), tunix_s=min(tx_pre) if tx_pre else None))
-  md = table(rows, tunix_missing or "-")
+    if args.draft_tokens:
+      repetitive = repetitive_prompts(spec_rng, batch, args.prompt_len, cfg.vocab_size)
+      for mode in args.modes:
+        for kind, p in (("repetitive", repetitive), ("random", prompts)):
+          case = f"{mode}, batch {batch}, {kind} prompt"
+          log(f"[{case}] dreamjax with and without speculation ...")
+          spec_rows.append(dict(case=case, mode=mode, batch=batch, prompt=kind, **run_speculative(
+              cfg, params, sampler, spec_sampler, p, mode, args.new_tokens, args.runs, args.passes)))
+          log(f"[{case}] {spec_rows[-1]}")
+  md = table(rows, tunix_missing or "-") if rows else ""
+  if spec_rows:
+    md = (md + "\n\n" if md else "") + speculative_table(spec_rows, spec_cfg)
   if prefill:
     md += "\n\n| prefill (1 new token) | dreamjax s | transformers s | tunix s |\n|---|---|---|---|\n" + "\n".join(
         f"| batch {p['batch']}, {p['prompt_len']} tokens | {p['dreamjax_s']:.3f} | {p['transformers_s']:.3f} | "
@@ -247,7 +310,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                  runs=args.runs, passes=args.passes, threads=args.threads, cpus_available=len(os.sched_getaffinity(0)),
                  jax=jax.__version__, transformers=transformers.__version__, torch=torch.__version__,
                  jax_devices=[str(d) for d in jax.devices()], tunix=tunix_missing or "run side by side"),
-      rows=rows, prefill=prefill, tunix_logits_check=logits_check, table_md=md)
+      rows=rows, prefill=prefill, speculative=dict(config=dataclasses.asdict(spec_cfg), rows=spec_rows),
+      tunix_logits_check=logits_check, table_md=md)
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "table.md").write_text(md + "\n")
   (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
