@@ -52,6 +52,11 @@ def tiny() -> ExpSftConfig:
   Re-measured without reasoning on 2026-11-23 (four runs: seeds 0 and 1, 300 and 400 steps, and the float32 rounding
   of two vocabulary-projection layouts): exact match swings between 0.30 and 0.67 (copy baseline 0.48-0.55), while
   reward and done predictions hold at 0.99-1.00 and 0.93-0.97 (copy baseline 0.79-0.83 and 0.75-0.77).
+  With the actions block (the next state's admissible actions, on by default since 2026-11-25; SyntheticEnv needs
+  it), nine runs (seeds 0 and 1; 300 and 600 steps; 3 layers; 4 heads; lr 2e-3; the list after the action; the
+  block first; no list in the prompt; no retrieval) measured exact match 0.11-0.31 (0.69 without the block on the
+  same data and seed): the model rarely learns to copy the exit direction from the state and writes the direction
+  its training tasks made likely. Reward and done accuracy hold (0.95-1.00, 0.89-0.97); listed actions F1 0.69-0.78.
   """
   return dataclasses.replace(
       config(),

@@ -1,9 +1,9 @@
 """The DreamGym loop end to end on a tiny scale: real TextWorld-Express data, an M_exp and a policy trained here.
 
 Offline data comes from the real env (`dreamjax.data.collect`); the experience model is trained on it by
-`dreamjax.commands.train_exp` (a few steps: these tests check the loop's bookkeeping, not the model's fidelity, which
-tests/test_exp_sft.py covers); the policy warm start is behaviour-cloned for a few steps. Then short DreamGym runs
-(2 iterations, 2 tasks x 4 rollouts) take the whole path: curriculum draw, rollouts against SyntheticEnv, update,
+`dreamjax.commands.train_exp` (200 steps, enough for most answers to parse: these tests check the loop's bookkeeping,
+not the model's fidelity, which tests/test_exp_sft.py covers); the policy warm start is behaviour-cloned for a few
+steps. Then short DreamGym runs (2 iterations, 2 tasks x 4 rollouts) take the whole path: curriculum draw, rollouts against SyntheticEnv, update,
 replay write-back, curriculum update, M_task generation, and evaluation on the real env.
 """
 
@@ -66,8 +66,11 @@ def parts(twx, tmp_path_factory):
                         build_tfds=False, progress=False), batch=twx)
   data = root / "data" / "trajectories.jsonl"
   records = read_trajectories(data)
-  exp = load_config("configs/train_exp_twx.py:tiny", [f"trajectories={data}", f"out_dir={root / 'exp'}", "steps=12",
-                                                      "eval_every=0", "held_out_fraction=0", "max_len=512"])
+  # Enough steps that most answers parse: an answer that never parses ends its episode as an env failure, and a run
+  # whose every episode failed would leave nothing to check in the books.
+  exp = load_config("configs/train_exp_twx.py:tiny", [f"trajectories={data}", f"out_dir={root / 'exp'}", "steps=200",
+                                                      "optim.total_steps=200", "eval_every=0", "held_out_fraction=0",
+                                                      "max_len=512"])
   exp_summary = train_exp(exp)
   policy, _ = behaviour_clone([r for r in records if r.policy == "expert"], FMT, ROLLOUT, root)
   return data, Path(exp_summary["checkpoint"]), policy
@@ -80,7 +83,8 @@ def _config(parts, out: Path, **kw) -> DreamGymConfig:
             agent=FMT, rollout=ROLLOUT, tasks_per_iteration=2, optim=OptimConfig(lr=1e-3), rows_per_step=24,
             pad_to=128, score_batch=8, iterations=2, eval_every=1, devices=1)
   rl = RLConfig(**(rl | kw.pop("rl", {})))
-  base = dict(rl=rl, exp_model=str(exp), offline_data=(str(data),), reasoning=False, exp_max_new_tokens=48,
+  # 128 tokens hold a whole answer (next state, actions, flags) and leave the prompts 384 of the 512 positions
+  base = dict(rl=rl, exp_model=str(exp), offline_data=(str(data),), reasoning=False, exp_max_new_tokens=128,
               curriculum=CurriculumConfig(capacity=64, generate_every=1, seeds_per_round=2, variants_per_seed=2,
                                           max_new_tokens=24, lam=0.5, min_variance=-1.0),
               out_dir=str(out))
@@ -102,21 +106,28 @@ def test_grpo_in_the_experience_model_keeps_its_books(uninterrupted):
   assert summary["real_transitions"] == 0 and all(e["real_transitions"] == 0 for e in summary["evals"])
   assert summary["synthetic_transitions"] == metrics[-1]["synthetic_transitions"] > 0
   assert [e["iteration"] for e in summary["evals"]] == [0, 1, 2, 3]
-  # Write-back: the buffer holds the offline seed plus exactly the synthetic transitions, tagged with the iteration.
-  # M_exp's unparseable answers are outcomes, not env failures (SyntheticEnv's docstring says why).
+  # Write-back: the buffer holds the offline seed plus exactly the synthetic transitions M_exp answered, tagged with
+  # the iteration. An M_exp step still unreadable after its retries is an env failure: counted, never written back.
   offline = sum(r.num_steps for r in read_trajectories(cfg.offline_data[0]))
   with ReplayBuffer(out / "replay", read_only=True) as buffer:
     items = list(buffer.iter_from(0))
   synthetic = [t for t in items if t.origin == "synthetic"]
-  assert all(m["env_errors"] == 0 for m in metrics)
-  assert len(items) - len(synthetic) == offline and len(synthetic) == summary["synthetic_transitions"]
+  assert all(m["env_errors"] == m["exp_failures"] for m in metrics)
+  # each unreadable failure took 1 + exp_retries answers that did not parse (an overflow takes none)
+  unreadable = [m["exp_failures"] - m["exp_overflows"] for m in metrics]
+  assert all(m["exp_retries"] >= n * cfg.exp_retries for m, n in zip(metrics, unreadable))
+  assert all(m["exp_parse_failures"] >= n * (cfg.exp_retries + 1) for m, n in zip(metrics, unreadable))
+  failed = sum(m["exp_failures"] for m in metrics)
+  assert len(items) - len(synthetic) == offline and len(synthetic) == summary["synthetic_transitions"] - failed
   assert sorted({t.policy_version for t in synthetic}) == [0, 1, 2]
   assert summary["replay_size"] == len(items) == metrics[-1]["replay_size"]
-  # Curriculum: every drawn task got statistics; M_task's candidates are all accounted for.
+  # Curriculum: every drawn task that measured something got statistics; M_task's candidates are all accounted for.
   pool = TaskPool.load(out / "task_pool.json")
   state = jax.device_get(pool.state)
   assert int(np.asarray(state.iteration)) == 3
-  assert int(np.asarray(state.times_sampled).sum()) == 3 * cfg.rl.tasks_per_iteration
+  # (a drawn task whose every episode M_exp failed on measured nothing: the curriculum skips it)
+  sampled = int(np.asarray(state.times_sampled).sum())
+  assert sampled == 3 * cfg.rl.tasks_per_iteration if failed == 0 else 0 < sampled <= 3 * cfg.rl.tasks_per_iteration
   counts = summary["generation"]
   assert all("generation_candidates" in m for m in metrics)  # M_task ran on the drawn tasks every iteration
   assert sum(v for k, v in counts.items()) == sum(m.get("generation_candidates", 0) for m in metrics)
@@ -183,8 +194,24 @@ def test_m_exp_on_its_own_devices_gives_the_colocated_run(parts, tmp_path):
     make_meshes(dataclasses.replace(split.rl, devices=0), split.placement)
 
 
-def test_ablations_ppo_without_replay_or_curriculum(parts, tmp_path):
-  cfg = _config(parts, tmp_path / "ablation", replay=False,
+@pytest.fixture(scope="module")
+def exp_no_replay(parts, tmp_path_factory) -> Path:
+  """The "w/o replay" row's own M_exp: trained like `parts`' but without retrieved transitions in its prompts."""
+  data, _, _ = parts
+  root = tmp_path_factory.mktemp("exp_no_replay")
+  exp = load_config("configs/train_exp_twx.py:tiny", [f"trajectories={data}", f"out_dir={root}", "steps=12",
+                                                      "eval_every=0", "held_out_fraction=0", "max_len=512",
+                                                      "format.retrieval=false"])
+  return Path(train_exp(exp)["checkpoint"])
+
+
+def test_ablations_ppo_without_replay_or_curriculum(parts, exp_no_replay, tmp_path):
+  # An M_exp trained with retrieval cannot stand in for the ablation's, nor the ablation's for a run with replay.
+  with pytest.raises(ValueError, match="replay is False but .* records format.retrieval=True"):
+    run(_config(parts, tmp_path / "mixed", replay=False))
+  with pytest.raises(ValueError, match="replay is True but .* records format.retrieval=False"):
+    run(_config(parts, tmp_path / "mixed2", exp_model=str(exp_no_replay)))
+  cfg = _config(parts, tmp_path / "ablation", replay=False, exp_model=str(exp_no_replay),
                 curriculum=CurriculumConfig(enabled=False, capacity=64, clusters=2),
                 rl=dict(algorithm="ppo", advantage="gae_turn", objective=PolicyGradientConfig(vf_coef=0.5)))
   summary = run(cfg)

@@ -13,9 +13,11 @@ from dreamjax.commands.train_exp import ExpSftConfig, run
 from dreamjax.config import load_config
 from dreamjax.data.collect import CollectConfig, collect
 from dreamjax.data.records import Transition, read_trajectories, transitions
+from dreamjax.experience.exp_model import exp_format, load_exp_model
 from dreamjax.experience.fidelity import Predictor, region_logps, score, teacher_forced, token_f1
-from dreamjax.experience.format import ExpFormatConfig, ExpPrediction, build_prompt, transition_target
+from dreamjax.experience.format import ExpFormatConfig, ExpPrediction, action_lists, build_prompt, transition_target
 from dreamjax.experience.sft_data import (
+    ACTIONS,
     NEXT_STATE,
     OUTCOME,
     REASONING,
@@ -93,21 +95,29 @@ def test_examples_retrieve_no_own_episode_and_mask_exactly_the_target(small_mode
   assert all(len(ex.retrieved) == FMT.k and all(d.task != ex.transition.task for d in ex.retrieved)
              for ex in other_tasks)
   eot = tok.decode([tok.chat_format.end_of_turn])
+  by_id = {r.episode_id: r for r in records}
   for i, ex in enumerate(data.train + data.held_out):
     t = ex.transition
     assert len(ex.retrieved) == FMT.k
     assert all(d.episode_id != t.episode_id and d.episode_id in train_episodes for d in ex.retrieved)
+    # the state's recorded list in the prompt, the next step's as the target (none after the end)
+    steps = by_id[t.episode_id].steps
+    assert ex.admissible == steps[t.step].admissible
+    assert ex.next_admissible == (() if t.done else steps[t.step + 1].admissible)
     if i % 4:
       continue  # the token-level checks below on every fourth example
     reason = data.annotations[t.episode_id].reasons[t.step]
-    target = transition_target(FMT, t, reason)
+    target = transition_target(FMT, t, reason, ex.next_admissible)
     history = t.history[len(t.history) - ex.shown_history:]
-    prompt = build_prompt(tok, FMT, t.instruction, history, ex.retrieved, t.state, t.action, step=t.step).prompt()
+    prompt = build_prompt(tok, FMT, t.instruction, history, ex.retrieved, t.state, t.action, step=t.step,
+                          admissible=ex.admissible).prompt()
     assert np.array_equal(ex.prompt, prompt) and ex.shown_history == min(t.step, FMT.max_history)
     assert tok.decode(ex.ids[ex.loss_mask == 1]) == target + eot
     assert np.array_equal(ex.regions > 0, ex.loss_mask == 1)
     assert tok.decode(ex.ids[ex.regions == REASONING]) == f"<think>\n{reason}\n</think>\n"
     assert tok.decode(ex.ids[ex.regions == NEXT_STATE]) == f"<next_state>\n{t.next_state}\n</next_state>\n"
+    actions = "".join(f"{a}\n" for a in ex.next_admissible)
+    assert tok.decode(ex.ids[ex.regions == ACTIONS]) == f"<actions>\n{actions}</actions>\n"
     assert tok.decode(ex.ids[ex.regions == OUTCOME]).startswith("<invalid>")
   assert {e.transition.episode_id for e in data.held_out} == {r.episode_id for r in data.held_out_records}
 
@@ -133,6 +143,25 @@ def test_fitting_trims_history_then_retrieval_then_drops(small_model):
   stats = {}
   assert build_examples(ExampleBuilder(tok, FMT, 64), later, notes, None, stats) == []
   assert stats == {"dropped_too_long": sum(r.num_steps for r in later), "examples": 0}
+
+
+def test_a_cut_episode_s_last_step_is_left_out_with_the_actions_block(small_model):
+  """The last step of an episode cut before it ended has no recorded next list: no target rather than an empty one."""
+  records, folder = small_model
+  _, _, tok = load_model(folder)
+  r = next(r for r in records if r.num_steps >= 3)
+  cut = dataclasses.replace(r, steps=r.steps[:2], num_steps=2, success=False)
+  notes = annotations_for([cut])
+  assert list(action_lists([cut]))[-1] == (r.steps[1].admissible, None)
+  stats: dict[str, int] = {}
+  kept = build_examples(ExampleBuilder(tok, FMT, 4096), [cut], notes, None, stats)
+  assert [e.transition.step for e in kept] == [0] and stats == {"dropped_unknown_actions": 1, "examples": 1}
+  assert kept[0].next_admissible == r.steps[1].admissible
+  stats = {}
+  bare = dataclasses.replace(FMT, actions=False)  # without the block the step makes a target
+  kept = build_examples(ExampleBuilder(tok, bare, 4096), [cut], notes, None, stats)
+  assert len(kept) == 2 and stats == {"examples": 2} and kept[0].admissible == kept[0].next_admissible == ()
+  assert not (kept[0].regions == ACTIONS).any()
 
 
 def test_ablation_switches_shape_the_examples(small_model):
@@ -173,6 +202,16 @@ def test_score_matches_hand_computed_metrics():
   assert (m["eps_R_mean"], m["eps_R_max"]) == (0.0, 0.0)
   m = score(truths[1:2], [ExpPrediction("x y z", 0.0, False, False, "", True, "", False)])
   assert m["reward_precision"] is None and m["reward_recall"] == 0.0 and m["eps_R_max"] == 1.0
+  assert "actions_exact" not in m
+  # admissible lists: exact (order included) and set F1, over the transitions whose next list is recorded
+  preds = [ExpPrediction("s", 0.0, False, False, "", True, "", False, ("a", "b")),
+           ExpPrediction("s", 0.0, False, False, "", True, "", False, ("b", "a", "c")),
+           ExpPrediction("s", 0.0, False, False, "", True, "", False, ("a",)),
+           ExpPrediction.failure("missing <actions>")]
+  m = score(truths, preds, [("a", "b"), ("a", "b"), None, ("q",)])
+  assert m["actions_exact"] == pytest.approx(1 / 3) and m["actions_f1"] == pytest.approx((1 + 0.8 + 0) / 3)
+  with pytest.raises(ValueError, match="4 transitions but 1 admissible lists"):
+    score(truths, preds, [()])
   assert token_f1("a a b", "a b b") == pytest.approx(2 / 3) and token_f1("", "") == 1.0 and token_f1("a", "") == 0.0
 
 
@@ -190,10 +229,11 @@ def test_region_logps_and_tv_bound_match_a_direct_forward(small_model):
     shifted = logits - logits.max(-1, keepdims=True)
     logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
     token_logp = np.r_[0.0, logp[np.arange(len(ex.ids) - 1), ex.ids[1:]]]
-    for r in (REASONING, NEXT_STATE, OUTCOME):
+    for r in (REASONING, NEXT_STATE, ACTIONS, OUTCOME):
       assert counts[i, r] == (ex.regions == r).sum() > 0
       np.testing.assert_allclose(sums[i, r], token_logp[ex.regions == r].sum(), rtol=1e-5, atol=1e-4)
   tf = teacher_forced(LogpScorer(cfg, 2), params, examples)
+  assert tf["nll_actions"] == pytest.approx(-sums[:, ACTIONS].sum() / counts[:, ACTIONS].sum())
   tv = 1 - np.exp(sums[:, REASONING] + sums[:, NEXT_STATE])
   assert tf["eps_P_tf_mean"] == pytest.approx(tv.mean()) and tf["nll"] == pytest.approx(-sums.sum() / counts.sum())
 
@@ -220,9 +260,10 @@ def trained(coin_path, tmp_path_factory) -> tuple[ExpSftConfig, dict]:
 
 def test_tiny_exp_model_beats_the_copy_baseline_on_held_out_tasks(trained):
   """On held-out tasks the model predicts rewards and episode ends (which the policy's returns come from) clearly
-  better than the copy baseline, which repeats the state and predicts neither, and gets next states exactly often.
-  Exact match is not compared with copying: on this tiny model it swings between 0.30 and 0.67 with seeds and float32
-  rounding, around the baseline's 0.48-0.55 (measured; configs/train_exp_twx.py:tiny)."""
+  better than the copy baseline, which repeats the state and predicts neither, gets some next states exactly, and
+  lists most of the next state's admissible actions. Exact match is not compared with copying: with the actions block
+  this tiny model rarely learns to copy the exit direction from the state, and exact match measured 0.11-0.31 over
+  nine runs (seeds, sizes, learning rates), against 0.30-0.69 without the block (configs/train_exp_twx.py:tiny)."""
   cfg, summary = trained
   model, copy = summary["held_out_fidelity"]["model"], summary["held_out_fidelity"]["copy"]
   print(f"held-out one-step exact match: model {model['exact_match']:.3f} ({model['exact_count']}/{model['n']}), "
@@ -230,13 +271,16 @@ def test_tiny_exp_model_beats_the_copy_baseline_on_held_out_tasks(trained):
   assert model["n"] == copy["n"] > 40
   for key in ("reward_acc", "done_acc"):
     assert model[key] >= copy[key] + 0.1, (key, model[key], copy[key])
-  assert model["exact_match"] >= 0.2 and model["parse_failure"] <= 0.05
+  assert model["exact_match"] >= 0.1 and model["parse_failure"] <= 0.05
   metrics = read_metrics(Path(cfg.out_dir) / "metrics.jsonl")
   losses = [m["loss"] for m in metrics if "loss" in m]
   assert losses[-1] < 0.2 * losses[0]
   checkpoint = Path(summary["checkpoint"])
   meta = json.loads((checkpoint / "exp_model.json").read_text())
   assert meta["format"] == dataclasses.asdict(cfg.format) and meta["max_len"] == cfg.max_len
+  assert meta["format"]["actions"] and exp_format(meta) == cfg.format
+  # the lists are learned (the copy baseline has none): F1 0.69-0.78 measured; whole lists exact 0.21-0.41
+  assert model["actions_f1"] >= 0.65 and model["actions_exact"] >= 0.15, (model["actions_f1"], model["actions_exact"])
   assert (checkpoint / "tokenizer.json").is_file() and summary["compilations"] == 1
 
 
@@ -266,6 +310,19 @@ def test_fidelity_script_scores_a_checkpoint_and_prints_its_table(trained, coin_
   assert result["open_loop_copy"]["exact_by_step"][0] == pytest.approx(np.mean(copy_first))
 
 
+def test_an_m_exp_without_the_actions_block_is_refused(tmp_path):
+  """A folder written before the actions block (its format has no `actions`) was trained without it: DreamGym, whose
+  SyntheticEnv needs the block, refuses it before loading any weights; a run that asks for no block gets it."""
+  old = {"format": {k: v for k, v in dataclasses.asdict(ExpFormatConfig(reasoning=False)).items() if k != "actions"}}
+  assert exp_format(old) == ExpFormatConfig(reasoning=False, actions=False)
+  assert exp_format({"format": dataclasses.asdict(ExpFormatConfig())}).actions
+  (tmp_path / "exp_model.json").write_text(json.dumps(old))
+  with pytest.raises(ValueError, match=r"records format.actions=false .* but this run expects actions=true"):
+    load_exp_model(str(tmp_path), reasoning=False, replay=True, dtype="float32", mesh=None)
+  with pytest.raises(ValueError, match="reasoning"):  # past the actions check, the reasoning one still holds
+    load_exp_model(str(tmp_path), reasoning=True, replay=True, dtype="float32", mesh=None, actions=False)
+
+
 def test_config_variants_load_and_bad_settings_are_refused():
   assert load_config(TINY, []).format.k == 1
   assert load_config(TINY.rsplit(":", 1)[0], ["batch_size=64"]).batch_size == 64
@@ -273,3 +330,85 @@ def test_config_variants_load_and_bad_settings_are_refused():
     load_config(TINY.rsplit(":", 1)[0] + ":nope", [])
   with pytest.raises(ValueError, match="retrieval_encoder"):
     ExpSftConfig(retrieval_encoder="bert")
+
+
+# --- require_teacher_annotations: the scale configs' guard against training M_exp on rule-based reasoning ----------
+
+def _guard_data(tmp_path: Path):
+  """Four hand-made two-step coin episodes, and one annotation file per annotator mix (teacher only; rules; a teacher
+  file with two fallbacks; teacher plus a stray rules line for an episode that is not read)."""
+  from dreamjax.data.records import StepRecord, TrajectoryRecord
+  from dreamjax.envs.base import Task
+  from dreamjax.experience.annotate import Annotation, write_annotations
+
+  records = []
+  for i in range(4):
+    task = Task.make("textworld_express", f"coin/train/{i}", "Find the coin.", game="coin", seed=i)
+    steps = (StepRecord("You are in the kitchen. Exits: north.", "move north", "You are in the hall. You see a coin.",
+                        0.0, False, False, False, ("move north", "look around"), "expert"),
+             StepRecord("You are in the hall. You see a coin.", "take coin", "You take the coin.", 1.0, True, True,
+                        False, ("take coin", "move south"), "expert"))
+    records.append(TrajectoryRecord(f"expert:coin/train/{i}", task.env, task, task.instruction, "expert", i, steps,
+                                    True, 2, 1.0))
+  data = tmp_path / "trajectories.jsonl"
+  data.write_text("".join(json.dumps(r.to_json()) + "\n" for r in records))
+
+  def note(r, annotator):
+    return Annotation(r.episode_id, "Go north, then take the coin.", ("The coin is north.", "The coin is here."),
+                      annotator)
+
+  files = {}
+  mixes = {"teacher": ["teacher:llama-70b"] * 4, "rules": ["rules:textworld_express"] * 4,
+           "fallback": ["teacher:llama-70b", "rules:textworld_express (teacher fallback)"] * 2}
+  for name, annotators in mixes.items():
+    files[name] = tmp_path / f"annotations.{name}.jsonl"
+    write_annotations(files[name], [note(r, a) for r, a in zip(records, annotators)])
+  stray = dataclasses.replace(records[0], episode_id="expert:coin/train/99")
+  files["stray"] = tmp_path / "annotations.stray.jsonl"
+  write_annotations(files["stray"], [note(r, "teacher:llama-70b") for r in records] + [note(stray, "rules:x")])
+  return records, data, files
+
+
+def test_teacher_guard_refuses_rule_based_annotations_and_fallbacks(tmp_path):
+  from dreamjax.commands.train_exp import annotation_source, check_teacher_annotations
+  from dreamjax.experience.annotate import Annotation, read_annotations
+
+  records, data, files = _guard_data(tmp_path)
+  kinds = [annotation_source(Annotation("e", "", (), name)) for name in
+           ("teacher:gpt-4o", "rules:alfworld", "rules:alfworld (teacher fallback)", "", "gpt-4o")]
+  assert kinds == ["teacher", "rules", "fallback", "rules", "rules"]  # an unnamed annotator is no teacher either
+  check = lambda *names: check_teacher_annotations(  # noqa: E731
+      {str(files[n]): read_annotations(files[n]) for n in names}, records, (str(data),))
+  check("teacher")
+  check("stray")  # the rules line annotates an episode that is not read
+  with pytest.raises(ValueError) as e:
+    check("teacher", "fallback")
+  msg = str(e.value)
+  assert "\n" not in msg and msg.startswith(f"{files['fallback']}: 2 of the 4 annotations used are not a teacher")
+  assert "'rules:textworld_express (teacher fallback)'; 2 of them teacher fallbacks" in msg
+  assert "require_teacher_annotations=false" in msg and "dreamjax annotate" in msg
+  with pytest.raises(ValueError, match=r"annotations\.rules\.jsonl: 4 of the 4 .*'rules:textworld_express'; 0 of them"):
+    check("rules")
+  with pytest.raises(ValueError, match=r"no annotation files .* \(rules:textworld_express\) .*trajectories\.jsonl"):
+    check_teacher_annotations({}, records, (str(data),))
+
+
+def test_teacher_guard_in_train_exp_both_ways(tmp_path):
+  """The run refuses before building a model (flag on, rule-based or no annotations) and trains with a teacher's
+  annotations (flag on) or, overridden, with the rule-based ones."""
+  _, data, files = _guard_data(tmp_path)
+  base = dataclasses.replace(
+      load_config(TINY, []), trajectories=(str(data),), format=ExpFormatConfig(k=0, retrieval=False, max_history=1),
+      steps=1, eval_every=0, held_out_fraction=0.0, batch_size=2, require_teacher_annotations=True)
+  for annotations, match in (((str(files["rules"]),), "annotations.rules.jsonl: 4 of the 4"),
+                             ((), "no annotation files are given")):
+    out = tmp_path / f"refused{len(annotations)}"
+    with pytest.raises(ValueError, match=match):
+      run(dataclasses.replace(base, annotations=annotations, out_dir=str(out)))
+    assert not (out / "init").exists()  # refused before the tiny model was built
+  summary = run(dataclasses.replace(base, annotations=(str(files["teacher"]),), out_dir=str(tmp_path / "teacher")))
+  assert summary["steps"] == 1 and summary["examples"] == 8
+  overridden = dataclasses.replace(base, annotations=(str(files["rules"]),), require_teacher_annotations=False,
+                                   out_dir=str(tmp_path / "overridden"))
+  assert run(overridden)["steps"] == 1
+  assert load_config(TINY, ["require_teacher_annotations=true"]).require_teacher_annotations

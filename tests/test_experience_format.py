@@ -15,6 +15,7 @@ from dreamjax.experience.format import (
     TAGS,
     ExpFormatConfig,
     ExpPrediction,
+    action_lists,
     build_prompt,
     parse_output,
     render_target,
@@ -30,6 +31,8 @@ from tests.test_segments import LLAMA_STYLE, SPECIALS
 STATE = "Location: kitchen\nYou see: fridge (closed), counter (knife, apple 🍎)\nInventory: nothing"
 NEXT = "Location: kitchen\nYou see: fridge (open: milk), counter (knife, apple 🍎)\nInventory: nothing\nFeedback: Ok."
 ON, OFF = ExpFormatConfig(), ExpFormatConfig(reasoning=False)
+BARE = ExpFormatConfig(reasoning=False, actions=False)  # neither think nor actions block
+ACTS = ("open fridge", "take apple 🍎", "go  north ")  # kept verbatim, in the env's order
 
 
 @pytest.fixture(scope="module", params=["chatml", "llama"])
@@ -58,26 +61,33 @@ def _transition(i: int, reward: float = 0.0, done: bool = False, success: bool =
 
 
 def test_target_text_is_exact():
-  assert render_target(ON, "The fridge opens.", NEXT, 0.0, False, False) == (
-      f"<think>\nThe fridge opens.\n</think>\n<next_state>\n{NEXT}\n</next_state>\n<invalid>false</invalid>\n"
+  assert render_target(ON, "The fridge opens.", NEXT, 0.0, False, False, admissible=ACTS[:2]) == (
+      f"<think>\nThe fridge opens.\n</think>\n<next_state>\n{NEXT}\n</next_state>\n"
+      "<actions>\nopen fridge\ntake apple 🍎\n</actions>\n<invalid>false</invalid>\n"
       "<reward>0</reward>\n<done>false</done>\n<success>false</success>")
   assert render_target(OFF, "ignored", "s", 1.0, True, True) == (
+      "<next_state>\ns\n</next_state>\n<actions>\n</actions>\n<invalid>false</invalid>\n<reward>1</reward>\n"
+      "<done>true</done>\n<success>true</success>")
+  assert render_target(BARE, "ignored", "s", 1.0, True, True, admissible=ACTS) == (
       "<next_state>\ns\n</next_state>\n<invalid>false</invalid>\n<reward>1</reward>\n<done>true</done>\n"
       "<success>true</success>")
-  assert "</next_state>\n<invalid>true</invalid>\n<reward>0</reward>" in render_target(ON, "", "s", 0.0, True, False,
-                                                                                       invalid=True)
+  assert "</actions>\n<invalid>true</invalid>\n<reward>0</reward>" in render_target(ON, "", "s", 0.0, True, False,
+                                                                                   invalid=True)
 
 
-@pytest.mark.parametrize("cfg", [ON, OFF], ids=["reasoning", "no_reasoning"])
+@pytest.mark.parametrize("cfg", [ON, OFF, BARE], ids=["reasoning", "no_reasoning", "no_actions"])
 @pytest.mark.parametrize("outcome", [(0.0, False, False, False), (0.0, True, False, False), (1.0, True, True, False),
                                      (0.0, False, False, True), (0.0, True, False, True)])
 @pytest.mark.parametrize("reasoning, state", [
     ("why", NEXT), ("", "x"), ("  two\nlines  \n", "\nleading and trailing newline\n"), ("é ✓ 🍎 \t", "Ünïcødé: ✓")])
-def test_round_trip(cfg, outcome, reasoning, state):
+@pytest.mark.parametrize("admissible", [(), ACTS[:1], ACTS], ids=["no_actions", "one_action", "actions"])
+def test_round_trip(cfg, outcome, reasoning, state, admissible):
   reward, done, success, invalid = outcome
-  target = render_target(cfg, reasoning, state, reward, done, success, invalid=invalid)
+  admissible = () if done else admissible  # a finished episode lists none
+  target = render_target(cfg, reasoning, state, reward, done, success, invalid=invalid, admissible=admissible)
   p = parse_output(target, cfg)
-  assert p == ExpPrediction(state, reward, done, success, reasoning if cfg.reasoning else "", True, "", invalid)
+  assert p == ExpPrediction(state, reward, done, success, reasoning if cfg.reasoning else "", True, "", invalid,
+                            admissible if cfg.actions else ())
   # Whitespace around the whole output (a decoded stop token's neighbourhood) does not matter.
   assert parse_output("\n  " + target + " \n", cfg) == p
 
@@ -91,6 +101,11 @@ def test_round_trip(cfg, outcome, reasoning, state):
     (("a </think> b", "s", 0.0, False, False), "reasoning contains the format tag '</think>'"),
     (("r", "s <reward>1</reward>", 0.0, False, False), "next_state contains the format tag '<reward>'"),
     (("r", " \n", 0.0, False, False), "next_state is empty"),
+    (("r", "s", 0.0, True, False, False, ("look",)), "done is true but 1 admissible actions are listed"),
+    (("r", "s", 0.0, False, False, False, ("a", " ")), "the admissible action ' ' is not one non-empty line"),
+    (("r", "s", 0.0, False, False, False, ("a\nb",)), "the admissible action 'a.{2}b' is not one non-empty line"),
+    (("r", "s", 0.0, False, False, False, ("a\r",)), "is not one non-empty line"),
+    (("r", "s", 0.0, False, False, False, ("say </actions>",)), "contains the format tag '</actions>'"),
 ])
 def test_render_target_refuses_bad_targets(args, message):
   with pytest.raises(ValueError, match=message):
@@ -98,8 +113,8 @@ def test_render_target_refuses_bad_targets(args, message):
 
 
 def _good(**parts) -> str:
-  blocks = {"think": "\nwhy\n", "next_state": "\nstate\n", "invalid": "false", "reward": "0", "done": "false",
-            "success": "false"} | parts
+  blocks = {"think": "\nwhy\n", "next_state": "\nstate\n", "actions": "\nlook\n", "invalid": "false", "reward": "0",
+            "done": "false", "success": "false"} | parts
   return "\n".join(f"<{t}>{blocks[t]}</{t}>" for t in TAGS if blocks[t] is not None)
 
 
@@ -132,6 +147,15 @@ def _good(**parts) -> str:
     (_good(reward="0", done="true", success="true"), "inconsistent outcome: success is true but the reward is 0"),
     (_good(reward="1", done="true", success="false"), "inconsistent outcome: reward is 1 but success is false"),
     ("<THINK>x</THINK>", "missing <think>"),
+    (_good(actions=None), "missing <actions>"),
+    (_good(actions="\nlook\n\ntake coin\n"), "an empty line in <actions>"),
+    (_good(actions="\nlook\r\n"), "<actions>: the admissible action 'look\\r' is not one non-empty line"),
+    (_good(actions="\nlook<done>\n"), "<actions> block contains <done> (duplicated or nested tag)"),
+    (_good(actions="\nlook\n</actions>\n<actions>"), "duplicated or misplaced <actions> before <invalid>"),
+    (_good()[:_good().index("</actions>")], "missing </actions> (output cut off?)"),
+    (_good(actions=None).replace("</invalid>", "</invalid>\n<actions>\n</actions>"),
+     "duplicated or misplaced <invalid> before <actions>"),
+    (_good(reward="0", done="true"), "inconsistent outcome: done is true but 1 admissible actions are listed"),
 ])
 def test_malformed_outputs_are_failure_outcomes(text, error):
   p = parse_output(text, ON)
@@ -140,10 +164,18 @@ def test_malformed_outputs_are_failure_outcomes(text, error):
 
 
 def test_parser_edge_cases():
-  assert parse_output(_good(reward=" 1.0 ", done="TRUE", success="True"), ON).ok  # lenient on value spelling only
+  # lenient on value spelling only
+  assert parse_output(_good(actions="\n", reward=" 1.0 ", done="TRUE", success="True"), ON).ok
   assert parse_output(_good(invalid=" True "), ON).invalid
   assert parse_output(_good(think=None), OFF).ok
   assert parse_output(_good(), OFF).error == "unexpected <think> block: reasoning is off in this format"
+  assert parse_output(_good(think=None, actions=None), BARE).ok
+  assert parse_output(_good(think=None), BARE).error == "unexpected <actions> block: actions are off in this format"
+  # The actions block is read line by line, verbatim; an empty block (with or without its newlines) lists none.
+  assert parse_output(_good(actions="\n a b \nc\n"), ON).admissible == (" a b ", "c")
+  for empty in ("", "\n", "\n\n"):
+    p = parse_output(_good(actions=empty, reward="1", done="true", success="true"), ON)
+    assert p.ok and p.admissible == (), empty
   assert parse_output(None, ON).error == "output is a NoneType, not text"  # type: ignore[arg-type]
   # The reasoning read before the failure is kept, for logs.
   assert parse_output(_good(reward="x"), ON).reasoning == "why"
@@ -151,24 +183,27 @@ def test_parser_edge_cases():
 
 def test_parser_is_total_under_fuzzing():
   rng = random.Random(0)
-  valid = [render_target(cfg, r, s, *o) for cfg in (ON, OFF) for r, s in [("why", NEXT), ("", "é")]
-           for o in [(0.0, False, False, False), (1.0, True, True, False), (0.0, True, False, True)]]
+  cfgs = (ON, OFF, BARE)
+  valid = {cfg: [render_target(cfg, r, s, *o, admissible=() if o[1] else ACTS) for r, s in [("why", NEXT), ("", "é")]
+                 for o in [(0.0, False, False, False), (1.0, True, True, False), (0.0, True, False, True)]]
+           for cfg in cfgs}
   # Every strict prefix of a valid output is a failure (the last tag is cut), and never raises.
-  for cfg in (ON, OFF):
-    for text in [v for v in valid if v.startswith("<think>") == cfg.reasoning]:
+  for cfg in cfgs:
+    for text in valid[cfg]:
       assert parse_output(text, cfg).ok
       for n in range(len(text)):
         p = parse_output(text[:n], cfg)
         assert not p.ok and p.error and p.next_state == FAILURE_STATE, (n, text[:n])
-  pieces = ["<think>", "</think>", "<next_state>", "</next_state>", "<invalid>", "</invalid>", "<reward>", "</reward>", "<done>", "</done>",
-            "<success>", "</success>", "0", "1", "true", "false", "\n", " ", "é", "🍎", "\x00", "<", ">", "/", "\u202e",
+  pieces = ["<think>", "</think>", "<next_state>", "</next_state>", "<actions>", "</actions>", "<invalid>", "</invalid>",
+            "<reward>", "</reward>", "<done>", "</done>", "<success>", "</success>", "0", "1", "true", "false", "\n",
+            " ", "é", "🍎", "\x00", "<", ">", "/", "\u202e",
             "nan", "1e0", "-0", "𝟙", "\ud800"]
   for _ in range(3000):
     kind = rng.random()
     if kind < 0.4:  # random token soup
       text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
     elif kind < 0.8:  # a valid output with random edits
-      chars = list(rng.choice(valid))
+      chars = list(rng.choice(valid[rng.choice(cfgs)]))
       for _ in range(rng.randint(1, 4)):
         at = rng.randrange(len(chars) + 1)
         op = rng.random()
@@ -177,20 +212,22 @@ def test_parser_is_total_under_fuzzing():
         elif op < 0.8:
           chars.insert(at, rng.choice(pieces))
         else:
-          chars[at:at] = list(rng.choice(valid))  # duplicated blocks
+          chars[at:at] = list(rng.choice(valid[rng.choice(cfgs)]))  # duplicated blocks
       text = "".join(chars)
     else:  # arbitrary unicode
       text = "".join(chr(rng.randrange(0x110000)) for _ in range(rng.randint(0, 40)))
-    for cfg in (ON, OFF):
+    for cfg in cfgs:
       p = parse_output(text, cfg)
       assert isinstance(p, ExpPrediction) and isinstance(p.error, str)
-      if p.ok:  # whatever parses is a consistent outcome and a real state
+      if p.ok:  # whatever parses is a consistent outcome, a real state and a renderable list
         assert p.error == "" and p.next_state.strip() and p.next_state != FAILURE_STATE
         assert (p.reward, p.done, p.success) in [(0.0, False, False), (0.0, True, False), (1.0, True, True)]
-        assert not (p.invalid and p.success)
+        assert not (p.invalid and p.success) and not (p.done and p.admissible)
+        assert all(a.strip() and "\n" not in a and "\r" not in a for a in p.admissible)
+        assert cfg.actions or not p.admissible
       else:
-        assert p.error and (p.reward, p.done, p.success, p.invalid, p.next_state) == (0.0, True, False, False,
-                                                                                      FAILURE_STATE)
+        assert p.error and (p.reward, p.done, p.success, p.invalid, p.next_state, p.admissible) == (
+            0.0, True, False, False, FAILURE_STATE, ())
 
 
 # --- prompt ----------------------------------------------------------------------------------------------------------
@@ -209,6 +246,18 @@ def test_user_message_is_exact():
       "# History, oldest first (1 earlier steps not shown)\n## Step 2\nState:\ns1\nAction: a1\n\n"
       "## Step 3\nState:\ns2\nAction: a2\n\n"
       "# Current state (step 4)\ns3\n\n# Action\ntake coin")
+
+
+def test_admissible_actions_section():
+  cfg = ExpFormatConfig(max_state_chars=24)
+  text = render_user(cfg, "t", [], [], "s", "look", admissible=ACTS)
+  # just before the current state, clipped like a state
+  assert text.endswith("# Admissible actions in the current state\nopen fridge\ntake appl...\n\n"
+                       "# Current state (step 1)\ns\n\n# Action\nlook")
+  for off in (dataclasses.replace(cfg, actions=False), cfg):  # the switch off, or an env that lists nothing
+    shown = render_user(off, "t", [], [], "s", "look", admissible=ACTS if off is not cfg else ())
+    assert "# Admissible" not in shown and shown.endswith("# Current state (step 1)\ns\n\n# Action\nlook")
+  assert "<actions>" in system_prompt(ON) and "<actions>" not in system_prompt(BARE)
 
 
 def test_switches_drop_sections_entirely():
@@ -273,17 +322,30 @@ def test_transition_example_from_records(tok):
                       ("take coin", "move west"), "expert"))
   record = TrajectoryRecord("expert:coin/train/0", "textworld_express", task, "Find the coin.", "expert", 0, steps,
                             True, 2, 1.0)
-  last = list(transitions([record]))[-1]
+  first, last = list(transitions([record]))
+  lists = list(action_lists([record]))
+  # Step t's record holds the list of its own state: the target of step 0 lists step 1's; the end lists none.
+  assert lists == [(("move east",), ("take coin", "move west")), (("take coin", "move west"), ())]
+  cut = dataclasses.replace(record, steps=steps[:1], num_steps=1, success=False)  # stopped before its next step
+  assert list(action_lists([cut])) == [(("move east",), None)]
+  assert parse_output(transition_target(ON, first, "East.", lists[0][1]), ON).admissible == ("take coin", "move west")
+  with pytest.raises(ValueError, match=r"episode 'expert:coin/train/0', step 0: the actions admissible after it are "
+                                       r"not recorded"):
+    transition_target(ON, first, "East.")
+  assert "<actions>" not in transition_target(BARE, first)  # no block, nothing needed
   target = transition_target(ON, last, "Taking the coin completes the task.")
   assert parse_output(target, ON) == ExpPrediction("Location: b\nInventory: coin", 1.0, True, True,
                                                    "Taking the coin completes the task.", True, "")
   # The env's invalid flag reaches the target (SyntheticEnv reports what M_exp predicts).
   bad = dataclasses.replace(last, reward=0.0, done=False, success=False, invalid=True)
-  assert parse_output(transition_target(ON, bad), ON).invalid
+  assert parse_output(transition_target(ON, bad, next_admissible=lists[1][0]), ON).invalid
   # A record no target can express is refused naming where it is (a MiniWoB click once came back invalid and won).
   with pytest.raises(ValueError, match=r"episode 'expert:coin/train/0', step 1: .*invalid is true but success is true"):
     transition_target(ON, dataclasses.replace(last, invalid=True))
-  ex = transition_example(tok, dataclasses.replace(ON, reasoning=False), last)
+  ex = transition_example(tok, dataclasses.replace(ON, reasoning=False), last, admissible=lists[1][0],
+                          next_admissible=lists[1][1])
   text = tok.decode(ex.ids)
   assert "## Step 1\nState:\nLocation: a\nAction: move east" in text and "# Current state (step 2)" in text
-  assert tok.decode(ex.ids[ex.loss_mask == 1]).startswith("<next_state>\nLocation: b\nInventory: coin\n</next_state>")
+  assert "\n# Admissible actions in the current state\ntake coin\nmove west\n\n# Current state (step 2)" in text
+  assert tok.decode(ex.ids[ex.loss_mask == 1]).startswith(
+      "<next_state>\nLocation: b\nInventory: coin\n</next_state>\n<actions>\n</actions>\n")

@@ -1,10 +1,12 @@
 """SyntheticEnv on real TextWorld-Express data (simonsays, two commands a game) with tiny Qwen2 experience models.
 
-A random model never writes the format, which exercises the failure outcomes, the protocol (None rows, finished
-rows), the prompts and retrieval. One tiny model fine-tuned both as M_exp (on `transition_example` of the recorded
-transitions, retrieved examples included) and as the policy (on the expert's answers), until every supervised token is
-its argmax by a margin, must then replay the recorded episodes exactly under greedy decoding, stepped directly and
-driven by the real RolloutEngine.
+A random model never writes the format, which exercises the retries and the env failures they end in, the protocol
+(None rows, finished rows), the prompts and retrieval. A scripted sampler (tests/test_agent_view.py) pins the retry
+rule: which rows are resampled, with which keys and shapes, and what a row that never parses becomes. One tiny model
+fine-tuned both as M_exp (on `transition_example` of the recorded transitions, retrieved examples and admissible
+actions included) and as the policy (on the expert's answers, with the admissible actions every turn), until every
+supervised token is its argmax by a margin, must then replay the recorded episodes exactly under greedy decoding,
+admissible lists included, stepped directly and driven by the real RolloutEngine.
 """
 
 import dataclasses
@@ -16,10 +18,11 @@ import optax
 import pytest
 
 from dreamjax.data.records import StepRecord, TrajectoryRecord, transitions
-from dreamjax.envs.base import Observation, Task, env_failed
+from dreamjax.envs.base import ENV_ERROR, Observation, Task, env_failed
 from dreamjax.experience.format import (
     FAILURE_STATE,
     ExpFormatConfig,
+    action_lists,
     build_prompt,
     render_user,
     system_prompt,
@@ -33,7 +36,9 @@ from dreamjax.replay.index import make_index
 from dreamjax.replay.retriever import Retriever
 from dreamjax.rollout.agent import AgentFormat, build_turn_prompt, format_answer, user_text
 from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
+from dreamjax.sampling import SpeculativeConfig
 from dreamjax.text import Kind, train_bpe_tokenizer
+from tests.test_agent_view import ScriptedSampler
 
 GAME, PARAMS = "simonsays", "gameLength=2"  # short states; each game's commands differ, so transitions are distinct
 EPISODES = 3
@@ -86,9 +91,10 @@ def records():
 @pytest.fixture(scope="module")
 def tok(records, tmp_path_factory):
   texts = [system_prompt(FMT), AFMT.system_text(), FAILURE_STATE]
-  for t in transitions(records):
-    texts += [render_user(FMT, t.instruction, t.history, [t], t.state, t.action), transition_target(FMT, t, _reason(t)),
-              user_text(AFMT, t.instruction, t.step, t.history, t.state, ()), format_answer(t.action)]
+  for t, (shown, following) in zip(transitions(records), action_lists(records)):
+    texts += [render_user(FMT, t.instruction, t.history, [t], t.state, t.action, admissible=shown),
+              transition_target(FMT, t, _reason(t), following),
+              user_text(AFMT, t.instruction, t.step, t.history, t.state, shown), format_answer(t.action)]
   return train_bpe_tokenizer(texts * 3, tmp_path_factory.mktemp("tok"), vocab_size=700)
 
 
@@ -145,8 +151,12 @@ def test_initial_states_and_task_lookup(cfg, random_params, tok, retriever, reco
     _env(cfg, random_params, tok, retriever, records, prompt_buckets=(64,)).reset_batch([seed])
   with pytest.raises(ValueError, match="max_position_embeddings"):
     _env(cfg, random_params, tok, retriever, records, prompt_buckets=(1000,))
-  with pytest.raises(ValueError, match="admissible must be one of"):
-    _env(cfg, random_params, tok, retriever, records, admissible="all")
+  with pytest.raises(ValueError, match="the format has no actions block"):
+    SyntheticEnv(cfg, random_params, tok, dataclasses.replace(FMT, actions=False), retriever,
+                 initial_states=initial_states_from(records), prompt_buckets=BUCKETS, max_new_tokens=MAX_NEW,
+                 key=jax.random.key(0))
+  with pytest.raises(ValueError, match="exp_retries must be >= 0"):
+    _env(cfg, random_params, tok, retriever, records, exp_retries=-1)
   with pytest.raises(ValueError, match="call reset_batch first"):
     _env(cfg, random_params, tok, retriever, records).step_batch(["x"])
   env.reset_batch([seed])
@@ -164,10 +174,10 @@ def test_initial_states_and_task_lookup(cfg, random_params, tok, retriever, reco
 @pytest.fixture(scope="module")
 def random_env(cfg, random_params, tok, retriever, records):
   return _env(cfg, random_params, tok, retriever, records, max_new_tokens=12, temperature=1.0,
-              key=jax.random.key(3), admissible="keep")
+              key=jax.random.key(3))
 
 
-def test_malformed_outputs_are_counted_failures(random_env, tok, retriever, records):
+def test_malformed_outputs_are_retried_then_env_failures(random_env, tok, retriever, records):
   env = random_env
   env.reset_stats()
   rows = [records[0], records[1], records[0]]  # rows 0 and 2 run one task: a batch may repeat a task
@@ -179,16 +189,18 @@ def test_malformed_outputs_are_counted_failures(random_env, tok, retriever, reco
   for i in (0, 2):
     r = results[i]
     assert r.done and r.reward == 0.0 and not r.success and not r.invalid
-    assert r.observation == Observation(FAILURE_STATE, rows[i].instruction, rows[i].steps[0].admissible)
-    assert r.info["exp_error"] and not env_failed(r)  # M_exp's failure is an outcome, not an env failure
+    assert r.observation == Observation(FAILURE_STATE, rows[i].instruction, ())
+    # three answers, none parsed: the simulator failed, so the episode is an env failure (left out of the update)
+    assert r.info["exp_attempts"] == 3 and env_failed(r)
+    assert r.info[ENV_ERROR] == "experience model: " + r.info["exp_error"]
     assert not r.info["truncated"] and r.info["step"] == 1
-    assert 1 <= r.info["generated_tokens"] <= 12
+    assert 3 <= r.info["generated_tokens"] <= 3 * 12
     # the prompt is build_prompt's, with the row's retrieved transition (never its own episode)
     found = retriever.query([rows[i].steps[0].state], [actions[i]], FMT.k, exclude_episodes=[own[i]])[0]
     assert r.info["retrieved"] == tuple(f"{x.episode_id}:{x.step}" for x in found) and len(found) == 1
     assert found[0].episode_id != own[i]
     expected = build_prompt(tok, FMT, rows[i].instruction, [], found, rows[i].steps[0].state, actions[i],
-                            step=0).prompt()
+                            step=0, admissible=rows[i].steps[0].admissible).prompt()
     np.testing.assert_array_equal(env.last_prompts[i], expected)
     assert r.info["prompt_tokens"] == len(expected)
     assert f"Next state:\n{found[0].next_state}" in tok.decode(expected)
@@ -200,9 +212,11 @@ def test_malformed_outputs_are_counted_failures(random_env, tok, retriever, reco
   assert again[0] is results[0] and again[2] is results[2] and again[1].done
   assert env.step_batch([None, None, None]) == again
   s = env.stats
-  assert (s["steps"], s["parse_failures"], s["calls"], s["overflows"], s["truncations"]) == (3, 3, 2, 0, 0)
+  assert (s["steps"], s["parse_failures"], s["calls"], s["overflows"], s["truncations"]) == (3, 9, 2, 0, 0)
+  assert (s["exp_retries"], s["exp_failures"]) == (6, 3)
   assert s["generated_tokens"] == sum(r.info["generated_tokens"] for r in again)
   assert s["mean_generated_tokens"] == s["generated_tokens"] / 3
+  # the retries reuse the first call's shapes: one compilation
   assert s["retrieval_s"] > 0 and s["prompt_s"] > 0 and s["sample_s"] > 0 and s["compilations"] == 1
 
 
@@ -230,10 +244,11 @@ def test_reproducible_from_the_key_and_rows_independent(random_env, cfg, random_
   assert swapped[0] == pinned[0]  # a row's draws do not depend on its neighbours
 
 
-def test_prompt_overflow_is_a_failure_outcome(random_env, tok, records):
+def test_prompt_overflow_is_an_env_failure_at_once(random_env, tok, records):
   env = random_env
   r = records[0]
-  shortest = len(build_prompt(tok, FMT, r.instruction, [], [], r.steps[0].state, "", step=0).prompt())
+  shortest = len(build_prompt(tok, FMT, r.instruction, [], [], r.steps[0].state, "", step=0,
+                              admissible=r.steps[0].admissible).prompt())
   env.prompt_buckets = (shortest + 10,)  # reset's check passes; a long action cannot fit even without the example
   try:
     env.reset_stats()
@@ -243,17 +258,81 @@ def test_prompt_overflow_is_a_failure_outcome(random_env, tok, records):
     env.prompt_buckets = BUCKETS
   for i in (0, 2):
     assert results[i].done and results[i].reward == 0 and results[i].observation.state == FAILURE_STATE
-    assert "does not fit the largest prompt bucket" in results[i].info["exp_error"]
-    assert results[i].info["generated_tokens"] == 0 and env.last_prompts[i] is None
-  assert env.stats["overflows"] == 2 and env.stats["parse_failures"] == 0 and env.stats["steps"] == 2
+    assert "does not fit the largest prompt bucket" in results[i].info["exp_error"] and env_failed(results[i])
+    assert results[i].info["generated_tokens"] == results[i].info["exp_attempts"] == 0
+    assert env.last_prompts[i] is None
+  s = env.stats  # resampling the same prompt cannot fix it: no retries
+  assert (s["overflows"], s["exp_failures"], s["exp_retries"], s["parse_failures"], s["steps"]) == (2, 2, 0, 0, 2)
+
+
+# --- the retry rule, with scripted answers -----------------------------------------------------------------------
+
+
+def _scripted(cfg, tok, retriever, records, answers, **kw) -> tuple[SyntheticEnv, ScriptedSampler]:
+  """An env whose M_exp writes `answers[call][row]` (rows not listed write nothing: they get no budget)."""
+  env = _env(cfg, None, tok, retriever, records, temperature=1.0, **kw)
+  env.sampler = ScriptedSampler(tok, lambda call, row: answers[call][row], MAX_NEW)
+  return env, env.sampler
+
+
+def _target(records, e: int, j: int) -> str:
+  t = list(transitions([records[e]]))[j]
+  return transition_target(FMT, t, _reason(t), list(action_lists([records[e]]))[j][1])
+
+
+def test_a_malformed_answer_is_resampled_with_a_fresh_key(cfg, tok, retriever, records):
+  good0, good1 = _target(records, 0, 0), _target(records, 1, 0)
+  env, sampler = _scripted(cfg, tok, retriever, records,
+                           [{0: "<next_state>\ncut off", 1: good1}, {0: good0}])
+  env.reset_batch([records[0].task, records[1].task], exclude_episodes=[r.episode_id for r in records[:2]])
+  results = env.step_batch([records[0].steps[0].action, records[1].steps[0].action])
+  for r, rec in zip(results, records):  # both answers read: the recorded next state and its admissible actions
+    s = rec.steps[0]
+    assert (r.observation.state, r.observation.admissible, r.done) == (s.next_state, rec.steps[1].admissible, False)
+    assert "exp_error" not in r.info and not env_failed(r)
+  assert [r.info["exp_attempts"] for r in results] == [2, 1] and results[0].info["output"] == good0
+  first, retry = sampler.calls
+  # the retry resamples only row 0, with the first call's shapes and prompt, and the row key folded with attempt 1
+  np.testing.assert_array_equal(retry["budget"], [MAX_NEW, 0])
+  assert retry["tokens"].shape == first["tokens"].shape
+  np.testing.assert_array_equal(retry["tokens"][0], first["tokens"][0])
+  row_key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(jax.random.key(0), 0), 0), 0)
+  np.testing.assert_array_equal(first["keys"][0], jax.random.key_data(row_key))
+  np.testing.assert_array_equal(retry["keys"][0], jax.random.key_data(jax.random.fold_in(row_key, 1)))
+  s = env.stats
+  assert (s["parse_failures"], s["exp_retries"], s["exp_failures"], s["steps"]) == (1, 1, 0, 2)
+
+
+def test_a_row_that_never_parses_ends_as_an_env_failure(cfg, tok, retriever, records):
+  good1 = _target(records, 1, 0)
+  bad = {0: "no tags at all"}
+  env, sampler = _scripted(cfg, tok, retriever, records, [bad | {1: good1}, bad, bad, bad])
+  env.reset_batch([records[0].task, records[1].task])
+  results = env.step_batch([records[0].steps[0].action, records[1].steps[0].action])
+  r = results[0]
+  assert len(sampler.calls) == 3 and r.info["exp_attempts"] == 3  # exp_retries=2 by default
+  assert (r.done, r.reward, r.success, r.invalid, r.observation.state, r.observation.admissible) == (
+      True, 0.0, False, False, FAILURE_STATE, ())
+  assert env_failed(r) and r.info[ENV_ERROR] == "experience model: missing <think>"
+  assert r.info["exp_error"] == "missing <think>" and r.info["output"] == "no tags at all"
+  assert not env_failed(results[1]) and not results[1].done
+  s = env.stats
+  assert (s["parse_failures"], s["exp_retries"], s["exp_failures"]) == (3, 2, 1)
+  # no retries: with exp_retries=0, or at temperature 0 (greedy decoding would write the same answer again)
+  for kw in ({"exp_retries": 0}, {"temperature": 0.0}):
+    env = _env(cfg, None, tok, retriever, records, **({"temperature": 1.0} | kw))
+    env.sampler = sampler = ScriptedSampler(tok, lambda call, row: "no tags at all", MAX_NEW)
+    env.reset_batch([records[0].task])
+    assert env_failed(env.step_batch([records[0].steps[0].action])[0]) and len(sampler.calls) == 1
+    assert (env.stats["exp_retries"], env.stats["exp_failures"]) == (0, 1)
 
 
 # --- a fine-tuned model replays the records ----------------------------------------------------------------------
 
 
 def _sft(cfg, tok, retriever, records, lr: float, max_steps: int, margin: float):
-  """Masked cross-entropy on M_exp examples (retrieved transitions excluding their own episode, as the env shows them)
-  and on the policy's expert answers (no admissible actions after the first turn: the env's default).
+  """Masked cross-entropy on M_exp examples (retrieved transitions excluding their own episode, as the env shows them,
+  and the recorded admissible actions) and on the policy's expert answers (with the admissible actions every turn).
 
   Stops at the first parameters whose every supervised target token beats the runner-up logit by `margin` (greedy
   decoding of the training prompts then reproduces every target), else after `max_steps`. Returns (params, steps
@@ -262,12 +341,10 @@ def _sft(cfg, tok, retriever, records, lr: float, max_steps: int, margin: float)
   "eat banana") is still a near tie, and whether it tips the right way then depends on the machine's float rounding.
   """
   exp, policy = [], []
-  for t in transitions(records):
+  for t, (shown, following) in zip(transitions(records), action_lists(records)):
     found = retriever.query([t.state], [t.action], FMT.k, exclude_episodes=[t.episode_id])[0]
-    ex = transition_example(tok, FMT, t, found, reasoning=_reason(t))
+    ex = transition_example(tok, FMT, t, found, reasoning=_reason(t), admissible=shown, next_admissible=following)
     exp.append((ex.ids, ex.loss_mask))
-    record = next(r for r in records if r.episode_id == t.episode_id)
-    shown = record.steps[0].admissible if t.step == 0 else ()
     ids, kinds = build_turn_prompt(tok, AFMT, t.instruction, t.step, t.history, t.state, shown).append(
         Kind.ACTION, format_answer(t.action)).arrays()
     policy.append((ids, (kinds == Kind.ACTION).astype(np.int32)))
@@ -339,16 +416,39 @@ def test_fine_tuned_model_replays_recorded_transitions(trained_env, tok, retriev
     for i, (r, res) in enumerate(zip(records, results)):
       s = r.steps[j]
       t = next(t for t in transitions([r]) if t.step == j)
+      shown, following = list(action_lists([r]))[j]
       assert "exp_error" not in res.info and not env_failed(res) and res.info["stopped"], res.info["output"]
       assert (res.observation.state, res.reward, res.done, res.success, res.invalid) == (
           s.next_state, s.reward, s.done, s.success, s.invalid)
-      assert res.observation.admissible == () and res.info["reasoning"] == _reason(t)
-      # the prompt is exactly the SFT example's prompt: same history, step index and retrieved transition
+      # the predicted admissible actions are the recorded ones of the next state (none after the end)
+      assert res.observation.admissible == following and res.info["reasoning"] == _reason(t)
+      assert res.info["exp_attempts"] == 1
+      # the prompt is exactly the SFT example's prompt: same history, step index, retrieved transition and the
+      # current state's admissible actions (the recorded ones at reset, M_exp's own prediction after)
       found = retriever.query([s.state], [s.action], FMT.k, exclude_episodes=[r.episode_id])[0]
-      ex = transition_example(tok, FMT, t, found, reasoning=_reason(t))
+      ex = transition_example(tok, FMT, t, found, reasoning=_reason(t), admissible=shown, next_admissible=following)
       np.testing.assert_array_equal(env.last_prompts[i], ex.ids[:len(env.last_prompts[i])])
       assert all(not x.startswith(r.episode_id + ":") for x in res.info["retrieved"])
   assert env.stats["parse_failures"] == 0 and env.stats["steps"] == 2 * len(records)
+
+
+def test_speculative_m_exp_writes_the_same_greedy_answers(trained_env, cfg, trained, tok, retriever, records):
+  """M_exp with copy-speculative decoding: its next states and action lists copy the prompt, so most drafts are
+  accepted, and every greedy answer is the plain sampler's."""
+  spec = _env(cfg, trained, tok, retriever, records, exclude_episodes=_own(records),
+              speculative=SpeculativeConfig(draft_tokens=6))
+  for env in (trained_env, spec):
+    env.reset_stats()
+    env.reset_batch([r.task for r in records])
+  for j in range(2):
+    actions = [r.steps[j].action for r in records]
+    plain, fast = trained_env.step_batch(actions), spec.step_batch(actions)
+    assert [r.info["output"] for r in fast] == [r.info["output"] for r in plain]
+    assert fast == plain
+  s = spec.stats
+  assert s["generated_tokens"] == trained_env.stats["generated_tokens"] == s["answer_tokens"]
+  assert s["accepted_per_step"] > 1 and s["tokens_per_forward"] > 1.5, s  # measured 1.42 and about 2.4
+  assert trained_env.stats["tokens_per_forward"] == 1.0
 
 
 def test_rollout_engine_drives_the_synthetic_env(trained_env, cfg, trained, tok, records):
@@ -381,8 +481,10 @@ def test_step_limit_and_history_dropped_to_fit(trained_env, tok, retriever, reco
   r = records[0]
   s0, s1 = r.steps
   found = retriever.query([s1.state], [s1.action], FMT.k, exclude_episodes=[r.episode_id])[0]
-  full = build_prompt(tok, FMT, r.instruction, [(s0.state, s0.action)], found, s1.state, s1.action, step=1).prompt()
-  bare = build_prompt(tok, FMT, r.instruction, [], found, s1.state, s1.action, step=1).prompt()
+  full = build_prompt(tok, FMT, r.instruction, [(s0.state, s0.action)], found, s1.state, s1.action, step=1,
+                      admissible=s1.admissible).prompt()
+  bare = build_prompt(tok, FMT, r.instruction, [], found, s1.state, s1.action, step=1,
+                      admissible=s1.admissible).prompt()
   first = env.last_prompts[0]  # step 0 of this record, from the step-limit run above
   width = max(len(first), len(bare))
   assert width < len(full)

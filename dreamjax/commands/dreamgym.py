@@ -18,7 +18,8 @@ The paper's method (docs/paper_map.md) on the shared loop (`dreamjax.loop.run`).
 Training consumes no real transitions; `synthetic_transitions` counts M_exp steps (answers that parsed and were sent
 to it). Evaluation episodes on the real env are reported apart, as in the real-env loop.
 
-Ablations: `replay=False` shows M_exp no retrieved transitions and writes nothing back ("w/o replay");
+Ablations: `replay=False` ("w/o replay") runs an M_exp trained without retrieved transitions (`dreamjax train-exp
+--set format.retrieval=false`; a mismatch with its exp_model.json is an error) and writes nothing back;
 `curriculum.enabled=False` draws seed tasks uniformly and generates none ("w/o curriculum"); "w/o reasoning" is an
 M_exp trained with `format.reasoning=false` (`dreamjax train-exp --set format.reasoning=false`), and `reasoning`
 states which one the run expects: a mismatch with the checkpoint's exp_model.json is an error, so an ablation table
@@ -61,7 +62,7 @@ from dreamjax.loop.run import Run, resuming, run_iterations
 from dreamjax.parallel import initialize, is_primary
 from dreamjax.replay.write_back import open_replay, rebuild_retriever
 from dreamjax.rl.keys import PHASE_SYNTHETIC, phase_key
-from dreamjax.sampling import Sampler
+from dreamjax.sampling import Sampler, SpeculativeConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,14 +79,20 @@ class DreamGymConfig:
   exp_temperature: float = 1.0
   exp_max_new_tokens: int = 0  # 0: the decode budget recorded in exp_model.json
   exp_prompt_buckets: tuple[int, ...] = ()  # M_exp prompt widths; empty: powers of two up to its max_len
+  # Resamples of an M_exp answer that did not parse; a row still unreadable after them ends as an env failure,
+  # left out of the update and of write-back (dreamjax/experience/synthetic_env.py).
+  exp_retries: int = 2
+  # M_exp's copy-speculative decoding (draft_tokens 0: off); the policy's is rl.rollout.speculative
+  exp_speculative: SpeculativeConfig = SpeculativeConfig()
   # M_exp's (and M_task's) weights and compute: frozen, so unlike the trained policy it may hold bfloat16 weights.
   exp_dtype: str = "float32"
   placement: PlacementConfig = PlacementConfig()
   out_dir: str = "runs/dreamgym"
 
   def __post_init__(self):
-    if self.seed_tasks < 0 or self.exp_max_new_tokens < 0 or self.exp_temperature <= 0:
-      raise ValueError("DreamGymConfig: seed_tasks >= 0, exp_max_new_tokens >= 0 and exp_temperature > 0 required")
+    if self.seed_tasks < 0 or self.exp_max_new_tokens < 0 or self.exp_temperature <= 0 or self.exp_retries < 0:
+      raise ValueError("DreamGymConfig: seed_tasks >= 0, exp_max_new_tokens >= 0, exp_temperature > 0 and "
+                       "exp_retries >= 0 required")
     if self.exp_dtype not in ("float32", "bfloat16"):
       raise ValueError(f"DreamGymConfig.exp_dtype must be 'float32' or 'bfloat16', got {self.exp_dtype!r}")
 
@@ -125,7 +132,8 @@ def _run(cfg: DreamGymConfig) -> dict[str, Any]:
                              initial_states=initial_states_from(records), max_new_tokens=max_new,
                              temperature=cfg.exp_temperature, prompt_buckets=buckets,
                              key=phase_key(root, 0, PHASE_SYNTHETIC), mesh=exp_mesh, tutorials=tutorials,
-                             max_steps=rl.rollout.max_turns)
+                             max_steps=rl.rollout.max_turns, exp_retries=cfg.exp_retries,
+                             speculative=cfg.exp_speculative)
     task_sampler = Sampler(exp_cfg, cfg.curriculum.max_new_tokens, pad_id=exp_tok.pad_id, mesh=exp_mesh) \
         if cfg.curriculum.enabled and cfg.curriculum.generate_every else None
     curriculum = CurriculumTasks(cfg.curriculum, seeds, records, tasks_per_iteration=rl.tasks_per_iteration,

@@ -6,12 +6,15 @@ about the dynamics would say):
 - **Teacher-forced one step**: the prompt is built from the true history and true current state (exactly the SFT
   example's prompt); M_exp decodes greedily and its output is parsed.
 - **Open-loop multi-step**: from the episode's real first state, M_exp's own predicted states are fed back as the
-  current state and history along the recorded action sequence (retrieval queried with the predicted state, as
-  SyntheticEnv does); step h is compared with the real state after h actions. Copy baseline: the first state forever.
+  current state and history along the recorded action sequence (retrieval queried with the predicted state, and
+  the predicted admissible actions shown as the current ones, as SyntheticEnv does); step h is compared with the real
+  state after h actions. Copy baseline: the first state forever.
 
 Metrics (`score`): next-state exact match and whitespace-token F1; accuracy, precision and recall of the reward
 (positive: reward 1), success, done and invalid flags (precision is None when nothing is predicted positive, recall
-when nothing is); the parse-failure rate; and the two error terms of the paper's bound (Appendix B), which it defines
+when nothing is); the parse-failure rate; with the format's actions block, `actions_exact` (the predicted list of
+admissible actions is the recorded one, order included) and `actions_f1` (F1 of the two lists as sets), over the
+transitions whose next list is recorded; and the two error terms of the paper's bound (Appendix B), which it defines
 as suprema and never measures:
 - eps_R = sup |R - R_hat|: reported as the mean and the max of |r - r_hat| over held-out transitions (greedy r_hat; a
   failed parse predicts 0). The max over a sample is all a finite set can give of the sup.
@@ -26,7 +29,8 @@ as suprema and never measures:
     the sum over traces, one tokenization of s*, and the newline after the closing tag included), so
     1 - exp(logp) bounds each transition's TV from above; without reasoning the R* factor is absent.
   The copy baseline is deterministic: its TV per transition is 1 - [s* == s].
-Teacher-forced NLL per target token is reported by region (reasoning, next state, outcome flags): Eq. 5's two terms.
+Teacher-forced NLL per target token is reported by region (reasoning, next state, actions, outcome flags): Eq. 5's
+two terms, the actions block apart.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import numpy as np
 from dreamjax.parallel.distributed import to_host
 from dreamjax.data.records import TrajectoryRecord, Transition, transitions
 from dreamjax.experience.annotate import Annotation
-from dreamjax.experience.format import ExpPrediction, parse_output, transition_target
+from dreamjax.experience.format import ExpPrediction, action_lists, parse_output, transition_target
 from dreamjax.experience.sft_data import NEXT_STATE, REASONING, REGION_NAMES, ExampleBuilder, ExpExample, retrieve
 from dreamjax.models import ModelConfig
 from dreamjax.replay.retriever import Retriever
@@ -145,10 +149,22 @@ def copy_prediction(t: Transition) -> ExpPrediction:
   return ExpPrediction(t.state, 0.0, False, False, "", True, "", False)
 
 
-def score(truths: Sequence[Transition], preds: Sequence[ExpPrediction]) -> dict[str, Any]:
-  """Fidelity metrics of predictions against real transitions (see the module docstring)."""
+def _set_f1(predicted: Sequence[str], true: Sequence[str]) -> float:
+  p, t = set(predicted), set(true)
+  if not p and not t:
+    return 1.0
+  common = len(p & t)
+  return 2 * common / (len(p) + len(t))
+
+
+def score(truths: Sequence[Transition], preds: Sequence[ExpPrediction],
+          admissible: Sequence[Sequence[str] | None] | None = None) -> dict[str, Any]:
+  """Fidelity metrics of predictions against real transitions (see the module docstring). `admissible`: the actions
+  admissible after each transition (None where not recorded), to score the predicted lists against."""
   if len(truths) != len(preds):
     raise ValueError(f"score: {len(truths)} transitions but {len(preds)} predictions")
+  if admissible is not None and len(admissible) != len(truths):
+    raise ValueError(f"score: {len(truths)} transitions but {len(admissible)} admissible lists")
   n = len(truths)
   if n == 0:
     return {"n": 0}
@@ -170,6 +186,10 @@ def score(truths: Sequence[Transition], preds: Sequence[ExpPrediction]) -> dict[
     out |= _flag_metrics(name, pred, true)
   err = np.abs(np.array([t.reward for t in truths]) - np.array([p.reward for p in preds]))
   out["eps_R_mean"], out["eps_R_max"] = float(err.mean()), float(err.max())
+  if admissible is not None:
+    known = [(tuple(a), p.admissible) for a, p in zip(admissible, preds) if a is not None]
+    out["actions_exact"] = float(np.mean([a == q for a, q in known])) if known else None
+    out["actions_f1"] = float(np.mean([_set_f1(q, a) for a, q in known])) if known else None
   return out
 
 
@@ -178,9 +198,11 @@ def score(truths: Sequence[Transition], preds: Sequence[ExpPrediction]) -> dict[
 
 def region_logps(scorer: LogpScorer, params: Any, examples: Sequence[ExpExample],
                  pad_to: int = MIN_BUCKET) -> tuple[np.ndarray, np.ndarray]:
-  """(summed log-prob [N, 4], token count [N, 4]) of each example's regions (PROMPT column unused), teacher-forced."""
-  sums = np.zeros((len(examples), 4), np.float64)
-  counts = np.zeros((len(examples), 4), np.int64)
+  """(summed log-prob [N, R], token count [N, R]) of each example's regions, indexed by region code (R = the largest
+  code + 1; the PROMPT column is unused), teacher-forced."""
+  width = max(REGION_NAMES) + 1
+  sums = np.zeros((len(examples), width), np.float64)
+  counts = np.zeros((len(examples), width), np.int64)
   order = np.argsort([len(e.ids) for e in examples], kind="stable")  # similar lengths share a padded batch
   for start in range(0, len(examples), scorer.batch_size):
     rows = order[start:start + scorer.batch_size]
@@ -223,7 +245,7 @@ def one_step(predictor: Predictor, examples: Sequence[ExpExample], *, scorer: Lo
   truths = [e.transition for e in examples]
   prompts = [e.prompt for e in examples]
   texts, preds = predictor.predict(prompts)
-  model = score(truths, preds)
+  model = score(truths, preds, [e.next_admissible for e in examples] if predictor.fmt.actions else None)
   copy = score(truths, [copy_prediction(t) for t in truths])
   if examples:
     tv_copy = np.array([t.next_state != t.state for t in truths], np.float64)
@@ -265,9 +287,11 @@ def open_loop(predictor: Predictor, records: Sequence[TrajectoryRecord], annotat
   whose every step matched), plus "horizon".
   """
   builder, fmt, tok = predictor.builder, predictor.fmt, predictor.tokenizer
-  episodes = [list(transitions([r]))[:max_steps] for r in records]
-  episodes = [e for e in episodes if e]
+  kept = [r for r in records if r.steps]
+  episodes = [list(transitions([r]))[:max_steps] for r in kept]
+  lists = [list(action_lists([r]))[:max_steps] for r in kept]  # (recorded list, next recorded list) per step
   states = [e[0].state for e in episodes]
+  shown = [lst[0][0] for lst in lists]  # the admissible actions shown: the recorded first list, then predicted ones
   history: list[list[tuple[str, str]]] = [[] for _ in episodes]
   preds: list[list[ExpPrediction]] = [[] for _ in episodes]
   horizon = max((len(e) for e in episodes), default=0)
@@ -279,19 +303,23 @@ def open_loop(predictor: Predictor, records: Sequence[TrajectoryRecord], annotat
     prompts = []
     for i, t, neighbours in zip(live, steps, found):
       reasoning = annotations[t.episode_id].reasons[t.step]
-      reserve = len(tok.encode(transition_target(fmt, t, reasoning))) + len(tok.chat_format.assistant.suffix)
-      prompts.append(builder.prompt(t.instruction, history[i], neighbours, states[i], t.action, h, reserve))
+      following = lists[i][h][1] or ()  # an unknown list (a cut episode's last step) reserves an empty block
+      reserve = len(tok.encode(transition_target(fmt, t, reasoning, following))) + len(
+          tok.chat_format.assistant.suffix)
+      prompts.append(builder.prompt(t.instruction, history[i], neighbours, states[i], t.action, h, reserve,
+                                    admissible=shown[i]))
     _, out = predictor.predict(prompts)
     for i, t, p in zip(live, steps, out):
       preds[i].append(p)
       history[i].append((states[i], t.action))
-      states[i] = p.next_state
+      states[i], shown[i] = p.next_state, p.admissible
   copies = [[ExpPrediction(e[0].state, 0.0, False, False, "", True, "", False) for _ in e] for e in episodes]
   result: dict[str, Any] = {"horizon": horizon}
+  flat_lists = [following for e in lists for _, following in e] if fmt.actions else None
   for name, ps in (("model", preds), ("copy", copies)):
     flat_t = [t for e in episodes for t in e]
     flat_p = [p for e in ps for p in e]
-    m = score(flat_t, flat_p)
+    m = score(flat_t, flat_p, flat_lists if name == "model" else None)
     m["exact_by_step"] = _horizon_curve(episodes, ps, horizon)
     m["episode_exact"] = float(np.mean([all(p.next_state == t.next_state for t, p in zip(e, q))
                                         for e, q in zip(episodes, ps)])) if episodes else None

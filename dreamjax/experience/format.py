@@ -1,7 +1,8 @@
 """The experience model's text interface: the prompt it reads, the target it is trained to write, and the parser.
 
-M_exp sees [task instruction, optional tutorial, k retrieved past transitions, recent history, current state and
-action] and writes (docs/paper_map.md, "Experience model") a reasoning trace first, then the next state and the outcome:
+M_exp sees [task instruction, optional tutorial, k retrieved past transitions, recent history, the current state's
+admissible actions, current state and action] and writes (docs/paper_map.md, "Experience model") a reasoning trace
+first, then the next state, its admissible actions and the outcome:
 
   <think>
   why the action leads where it does
@@ -9,6 +10,9 @@ action] and writes (docs/paper_map.md, "Experience model") a reasoning trace fir
   <next_state>
   the whole next abstract state, in the env's own format
   </next_state>
+  <actions>
+  the actions admissible in that state, one per line, in the env's order
+  </actions>
   <invalid>false</invalid>
   <reward>0</reward>
   <done>false</done>
@@ -18,26 +22,39 @@ The invalid flag says whether the env would reject the action (not understood, n
 (`StepResult.invalid`) and the RL loop penalises it (verl-agent's invalid-action penalty), so M_exp must predict it
 for SyntheticEnv to report it: inferring it from the feedback text would tie the loop to each env's wording.
 
+The actions block (switch `ExpFormatConfig.actions`, on by default) lists what the env would admit in the predicted
+state, so that SyntheticEnv's observations carry an admissible list every turn, as the real envs' do: the policy then
+reads the same prompt layout in DreamGym as in real-env RL and evaluation. It is trained from the recorded lists: step
+t's record holds the list of its own state, so the target of transition t takes step t+1's list (`action_lists`); a
+step that ends the episode has an empty block (the policy never acts in a final state), and the last step of an
+episode cut without ending (a collection cap) has no known list and makes no target. The prompt shows the current
+state's list (the recorded one, or the one M_exp predicted on the step before), since no abstract state renders
+everything its list is made of (TextWorld-Express lists distractor objects' actions, for one). Which envs use it and
+why: see dreamjax/experience/synthetic_env.py.
+
 Without reasoning (the ablation switch `ExpFormatConfig.reasoning=False`) the think block is absent. The target is
 appended to the prompt as the assistant turn with `Kind.ACTION`, so the SFT loss mask covers exactly the target
 tokens and its end-of-turn token: both terms of Eq. 5 (reasoning, then next state and reward) under one mask.
 
 Parsing is total: `parse_output` never raises. Anything it cannot read exactly (a missing, duplicated, nested or
-unterminated tag, text outside the blocks, a reward other than 0/1, a flag other than true/false, an empty state)
-becomes the failure outcome `ExpPrediction(ok=False, done=True, success=False, reward=0.0, invalid=False,
-next_state=FAILURE_STATE, error=...)`: the rollout sees the episode fail and metrics count the error. The failure
-outcome's `invalid` is False: a malformed prediction is the simulator's failure, not evidence that the agent's action
-was invalid, so the agent is not charged the invalid-action penalty for it (it still gets the failed episode).
+unterminated tag, text outside the blocks, a reward other than 0/1, a flag other than true/false, an empty state, an
+empty line among the actions) becomes the failure outcome `ExpPrediction(ok=False, done=True, success=False,
+reward=0.0, invalid=False, next_state=FAILURE_STATE, admissible=(), error=...)`, which metrics count. SyntheticEnv
+resamples such an answer and ends the episode as an env failure only when every attempt fails (its docstring says
+why). The failure outcome's `invalid` is False: a malformed prediction is the simulator's failure, not evidence that
+the agent's action was invalid.
 
 Rewards are binary and outcome-based (1 only on the step that ends a successful episode), so the outcome is a function
 of (done, success) and the three stated values must agree: reward 1 with done and success, reward 0 otherwise, and
 success only with done; an invalid action changes nothing, so it cannot complete the task (invalid excludes
-success). A prediction that disagrees with itself (reward 1 but done false, success without reward,
-...) is treated as malformed, never repaired: a model confused about the outcome must not be able to grant itself a
-reward it did not consistently claim. `render_target` refuses such combinations for the same reason.
+success); a finished episode lists no actions. A prediction that disagrees with itself (reward 1 but done false,
+success without reward, actions after the end, ...) is treated as malformed, never repaired: a model confused about
+the outcome must not be able to grant itself a reward it did not consistently claim. `render_target` refuses such
+combinations for the same reason.
 
 Prompts are deterministic text: the same inputs give the same tokens, and a section whose switch is off (retrieval,
-history, tutorial) is left out entirely rather than shown empty, so ablations differ only by those sections.
+history, tutorial, actions) is left out entirely rather than shown empty, so ablations differ only by those sections.
+An empty admissible list is left out too (an env that lists none).
 States shown in the prompt are clipped to `max_state_chars`; targets are never clipped (the model must learn to
 write whole states).
 """
@@ -46,17 +63,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
 from jaxtyping import Int
 
-from dreamjax.data.records import Transition
+from dreamjax.data.records import TrajectoryRecord, Transition
 from dreamjax.envs.base import outcome_problem
 from dreamjax.text import Kind, SegmentBuilder, Tokenizer, policy_mask
 
-TAGS = ("think", "next_state", "invalid", "reward", "done", "success")
+TAGS = ("think", "next_state", "actions", "invalid", "reward", "done", "success")
 FAILURE_STATE = "The simulation failed: the experience model's prediction could not be read. The episode is over."
 _MARKERS = tuple(m for tag in TAGS for m in (f"<{tag}>", f"</{tag}>"))
 
@@ -67,6 +84,8 @@ class ExpFormatConfig:
   history: bool = True  # recent (state, action) pairs of this episode (quality study: "without history")
   retrieval: bool = True  # top-k retrieved transitions from the replay buffer (ablation: "without replay")
   tutorial: bool = False  # the annotator's task tutorial (overall plan, success and failure modes) in the prompt
+  # the admissible actions: the current state's in the prompt, the next state's as a target block (module docstring)
+  actions: bool = True
   max_history: int = 4  # most recent (state, action) pairs shown
   k: int = 3  # retrieved transitions shown (the first k given)
   max_state_chars: int = 2000  # each state shown in the prompt (current, history, retrieved) is clipped to this
@@ -92,10 +111,16 @@ class ExpPrediction:
   ok: bool  # False: the output was malformed and the fields hold the failure outcome
   error: str  # what was wrong ("" when ok)
   invalid: bool = False  # the predicted env's verdict on the action; False in the failure outcome (module docstring)
+  admissible: tuple[str, ...] = ()  # the actions admissible in next_state, in order; () without the actions block
 
   @classmethod
   def failure(cls, error: str, reasoning: str = "") -> ExpPrediction:
-    return cls(FAILURE_STATE, 0.0, True, False, reasoning, False, error, False)
+    return cls(FAILURE_STATE, 0.0, True, False, reasoning, False, error, False, ())
+
+
+def expected_tags(cfg: ExpFormatConfig) -> tuple[str, ...]:
+  """The blocks of `cfg`'s target, in order."""
+  return tuple(t for t in TAGS if (t != "think" or cfg.reasoning) and (t != "actions" or cfg.actions))
 
 
 class SFTExample(NamedTuple):
@@ -111,13 +136,16 @@ def system_prompt(cfg: ExpFormatConfig) -> str:
   think = ("<think>\nhow the action changes the state: whether it is valid here, what it affects, and whether the task "
            "is now complete or failed\n</think>\n") if cfg.reasoning else ""
   first = "First reason step by step, then predict" if cfg.reasoning else "Predict"
+  listed = ", the actions admissible in it" if cfg.actions else ""
+  actions = ("<actions>\nthe actions admissible in the next state, one per line, in the environment's order (none "
+             "when the episode ends)\n</actions>\n") if cfg.actions else ""
   return (
       "You simulate an interactive environment for an agent. You are given the agent's task, examples of similar "
-      "past transitions, the recent history of the episode, the current state and the agent's action. "
+      f"past transitions, the recent history of the episode, the current state{listed} and the agent's action. "
       f"{first} the environment's response: the next state, written in exactly the same format as the states you "
-      "are shown, whether the environment rejects the action as invalid, and the outcome.\n"
+      f"are shown{listed}, whether the environment rejects the action as invalid, and the outcome.\n"
       "Answer in exactly this format:\n"
-      f"{think}<next_state>\nthe whole next state\n</next_state>\n<invalid>true or false</invalid>\n"
+      f"{think}<next_state>\nthe whole next state\n</next_state>\n{actions}<invalid>true or false</invalid>\n"
       "<reward>0 or 1</reward>\n"
       "<done>true or false</done>\n<success>true or false</success>\n"
       "The reward is 1 only when the action completes the task, and then done and success are true. An invalid or "
@@ -151,9 +179,11 @@ def render_example(cfg: ExpFormatConfig, t: Transition) -> str:
 
 def render_user(cfg: ExpFormatConfig, instruction: str, history: Sequence[tuple[str, str]],
                 retrieved: Sequence[Transition], state: str, action: str, tutorial: str = "",
-                step: int | None = None) -> str:
+                step: int | None = None, admissible: Sequence[str] = ()) -> str:
   """The user message. `history` is the episode's (state, action) pairs before this step, oldest first (pass them
-  all: the last `max_history` are shown); `step` is the current step's index, by default len(history)."""
+  all: the last `max_history` are shown); `step` is the current step's index, by default len(history); `admissible`
+  the actions admissible in `state` (shown before it, clipped like a state, when the format's actions switch is
+  on)."""
   step = len(history) if step is None else step
   parts = [f"# Task\n{instruction.strip() or '(no instruction)'}"]
   if cfg.tutorial and tutorial.strip():
@@ -169,6 +199,10 @@ def render_user(cfg: ExpFormatConfig, instruction: str, history: Sequence[tuple[
     parts.append(f"# History, oldest first{omitted}\n" + "\n\n".join(
         f"## Step {first + i + 1}\nState:\n{clip(s, cfg.max_state_chars)}\nAction: {clip(a, cfg.max_action_chars)}"
         for i, (s, a) in enumerate(kept)))
+  if cfg.actions and admissible:
+    # Before the state rather than after it: the state, the action and the target's next state then sit as close as
+    # without the list, which a small model's copying depends on (configs/train_exp_twx.py:tiny).
+    parts.append(f"# Admissible actions in the current state\n{clip(chr(10).join(admissible), cfg.max_state_chars)}")
   parts.append(f"# Current state (step {step + 1})\n{clip(state, cfg.max_state_chars)}")
   parts.append(f"# Action\n{clip(action, cfg.max_action_chars)}")
   return "\n\n".join(parts)
@@ -176,24 +210,40 @@ def render_user(cfg: ExpFormatConfig, instruction: str, history: Sequence[tuple[
 
 def build_prompt(tokenizer: Tokenizer, cfg: ExpFormatConfig, instruction: str, history: Sequence[tuple[str, str]],
                  retrieved: Sequence[Transition], state: str, action: str, tutorial: str = "",
-                 step: int | None = None) -> SegmentBuilder:
+                 step: int | None = None, admissible: Sequence[str] = ()) -> SegmentBuilder:
   """The prompt as token segments: a system message (the job and the output format), then one user message.
 
   `builder.prompt()` gives the ids to sample from; `builder.append(Kind.ACTION, target)` the SFT example.
   """
-  user = render_user(cfg, instruction, history, retrieved, state, action, tutorial, step)
+  user = render_user(cfg, instruction, history, retrieved, state, action, tutorial, step, admissible)
   return SegmentBuilder(tokenizer).append(Kind.SYSTEM, system_prompt(cfg)).append(Kind.TASK, user)
 
 
 # --- the target ------------------------------------------------------------------------------------------------------
 
 
-def render_target(cfg: ExpFormatConfig, reasoning: str, next_state: str, reward: float, done: bool,
-                  success: bool, invalid: bool = False) -> str:
-  """The text M_exp is trained to write; `parse_output` reads it back exactly (tested).
+def _ended_with_actions(admissible: Sequence[str], done: bool) -> str:
+  return f"done is true but {len(admissible)} admissible actions are listed" if done and admissible else ""
 
-  Raises ValueError for an outcome that is not a consistent binary one, or for text that holds a format tag (it
-  would make the target unparseable).
+
+def _actions_problem(admissible: Sequence[str]) -> str:
+  """"" when every action can be one line of an actions block, else what is wrong with the first that cannot."""
+  for a in admissible:
+    if not isinstance(a, str) or not a.strip() or "\n" in a or "\r" in a:
+      return f"the admissible action {a!r} is not one non-empty line"
+    bad = next((m for m in _MARKERS if m in a), None)
+    if bad:
+      return f"the admissible action {a!r} contains the format tag {bad!r}"
+  return ""
+
+
+def render_target(cfg: ExpFormatConfig, reasoning: str, next_state: str, reward: float, done: bool,
+                  success: bool, invalid: bool = False, admissible: Sequence[str] = ()) -> str:
+  """The text M_exp is trained to write; `parse_output` reads it back exactly (tested). `admissible`: the actions
+  admissible in `next_state` (the actions block; ignored when the format has none).
+
+  Raises ValueError for an outcome that is not a consistent binary one, for text that holds a format tag (it would
+  make the target unparseable), and for admissible actions that are not single lines or follow the episode's end.
   """
   problem = outcome_problem(float(reward), bool(done), bool(success), bool(invalid))
   if problem:
@@ -205,36 +255,63 @@ def render_target(cfg: ExpFormatConfig, reasoning: str, next_state: str, reward:
       raise ValueError(f"render_target: {name} contains the format tag {bad!r}")
   if not next_state.strip():
     raise ValueError("render_target: next_state is empty")
+  actions = ""
+  if cfg.actions:
+    problem = _ended_with_actions(tuple(admissible), bool(done)) or _actions_problem(tuple(admissible))
+    if problem:
+      raise ValueError(f"render_target: {problem}")
+    actions = "<actions>\n" + "".join(f"{a}\n" for a in admissible) + "</actions>\n"
   think = f"<think>\n{reasoning}\n</think>\n" if cfg.reasoning else ""
-  return (f"{think}<next_state>\n{next_state}\n</next_state>\n<invalid>{_flag(invalid)}</invalid>\n"
+  return (f"{think}<next_state>\n{next_state}\n</next_state>\n{actions}<invalid>{_flag(invalid)}</invalid>\n"
           f"<reward>{_reward_text(float(reward))}</reward>\n"
           f"<done>{_flag(done)}</done>\n<success>{_flag(success)}</success>")
 
 
-def transition_target(cfg: ExpFormatConfig, t: Transition, reasoning: str = "") -> str:
-  """The exact target text for a recorded transition; a record that cannot be a target is an error naming its episode
-  and step."""
+def action_lists(records: Iterable[TrajectoryRecord]) -> Iterator[tuple[tuple[str, ...], tuple[str, ...] | None]]:
+  """(the actions admissible in the step's state, those admissible in its next state) of every step of `records`, in
+  `transitions(records)` order. A record's step holds the list of its own state, so the next state's is the next
+  step's; a step that ends the episode has none (()); the last step of an episode cut without ending has an unknown
+  one (None)."""
+  for r in records:
+    for j, s in enumerate(r.steps):
+      following = r.steps[j + 1].admissible if j + 1 < len(r.steps) else None
+      yield tuple(s.admissible), (() if s.done else following)
+
+
+def transition_target(cfg: ExpFormatConfig, t: Transition, reasoning: str = "",
+                      next_admissible: Sequence[str] | None = None) -> str:
+  """The exact target text for a recorded transition, with `next_admissible` (from `action_lists`) as its actions
+  block; a record that cannot be a target is an error naming its episode and step. A transition that does not end the
+  episode needs its next state's list when the format has the actions block: rendering an unknown list as an empty one
+  would teach M_exp that the state admits nothing."""
+  where = f"episode {t.episode_id!r}, step {t.step}"
+  if cfg.actions and next_admissible is None and not t.done:
+    raise ValueError(f"{where}: the actions admissible after it are not recorded (the episode was cut before its next "
+                     f"step), and the format has the actions block")
   try:
-    return render_target(cfg, reasoning, t.next_state, t.reward, t.done, t.success, t.invalid)
+    return render_target(cfg, reasoning, t.next_state, t.reward, t.done, t.success, t.invalid,
+                         () if next_admissible is None else next_admissible)
   except ValueError as e:
-    where = f"episode {t.episode_id!r}, step {t.step}"
     raise ValueError(f"{where}: {e}") from None
 
 
 def sft_example(tokenizer: Tokenizer, cfg: ExpFormatConfig, instruction: str, history: Sequence[tuple[str, str]],
                 retrieved: Sequence[Transition], state: str, action: str, target: str, tutorial: str = "",
-                step: int | None = None) -> SFTExample:
+                step: int | None = None, admissible: Sequence[str] = ()) -> SFTExample:
   """Prompt segments plus `target` as the assistant turn: (ids, kinds, loss mask), all int32 [T]."""
-  builder = build_prompt(tokenizer, cfg, instruction, history, retrieved, state, action, tutorial, step)
+  builder = build_prompt(tokenizer, cfg, instruction, history, retrieved, state, action, tutorial, step, admissible)
   ids, kinds = builder.append(Kind.ACTION, target).arrays()
   return SFTExample(ids, kinds, policy_mask(kinds))
 
 
 def transition_example(tokenizer: Tokenizer, cfg: ExpFormatConfig, t: Transition, retrieved: Sequence[Transition] = (),
-                       reasoning: str = "", tutorial: str = "") -> SFTExample:
-  """The SFT example of a transition (its history, step index, state, action, outcome)."""
+                       reasoning: str = "", tutorial: str = "", admissible: Sequence[str] = (),
+                       next_admissible: Sequence[str] | None = None) -> SFTExample:
+  """The SFT example of a transition (its history, step index, state, the actions admissible in it, action, outcome,
+  and the actions admissible after it: the pair `action_lists` gives)."""
   return sft_example(tokenizer, cfg, t.instruction, t.history, retrieved, t.state, t.action,
-                     transition_target(cfg, t, reasoning), tutorial, step=t.step)
+                     transition_target(cfg, t, reasoning, next_admissible), tutorial, step=t.step,
+                     admissible=admissible)
 
 
 # --- the parser ------------------------------------------------------------------------------------------------------
@@ -267,9 +344,11 @@ def parse_output(text: str, cfg: ExpFormatConfig) -> ExpPrediction:
   if not isinstance(text, str):
     return ExpPrediction.failure(f"output is a {type(text).__name__}, not text")
   s = text.strip()
-  expected = TAGS if cfg.reasoning else TAGS[1:]
+  expected = expected_tags(cfg)
   if not cfg.reasoning and ("<think>" in s or "</think>" in s):
     return ExpPrediction.failure("unexpected <think> block: reasoning is off in this format")
+  if not cfg.actions and ("<actions>" in s or "</actions>" in s):
+    return ExpPrediction.failure("unexpected <actions> block: actions are off in this format")
   blocks: dict[str, str] = {}
   pos = 0
   for tag in expected:
@@ -304,13 +383,21 @@ def parse_output(text: str, cfg: ExpFormatConfig) -> ExpPrediction:
     return ExpPrediction.failure(what, reasoning)
   if not blocks["next_state"].strip():
     return ExpPrediction.failure("empty <next_state>", reasoning)
+  admissible: tuple[str, ...] = ()
+  if cfg.actions:
+    admissible = tuple(blocks["actions"].split("\n")) if blocks["actions"] else ()
+    if any(not a.strip() for a in admissible):
+      return ExpPrediction.failure("an empty line in <actions>", reasoning)
+    problem = _actions_problem(admissible)
+    if problem:
+      return ExpPrediction.failure(f"<actions>: {problem}", reasoning)
   invalid, error = _parse_flag(blocks["invalid"], "invalid")
   reward, error = (None, error) if error else _parse_reward(blocks["reward"])
   done, error = (None, error) if error else _parse_flag(blocks["done"], "done")
   success, error = (None, error) if error else _parse_flag(blocks["success"], "success")
   if error:
     return ExpPrediction.failure(error, reasoning)
-  problem = outcome_problem(reward, done, success, invalid)
+  problem = outcome_problem(reward, done, success, invalid) or _ended_with_actions(admissible, done)
   if problem:
     return ExpPrediction.failure(f"inconsistent outcome: {problem}", reasoning)
-  return ExpPrediction(blocks["next_state"], reward, done, success, reasoning, True, "", invalid)
+  return ExpPrediction(blocks["next_state"], reward, done, success, reasoning, True, "", invalid, admissible)

@@ -16,9 +16,14 @@ Pipeline (host-side, deterministic):
 4. **Render and fit** (`ExampleBuilder`): `transition_example` gives (ids, kinds, loss mask); an example longer than
    `max_len` tokens is shortened by dropping history pairs (oldest first), then retrieved examples (last first), and
    dropped only if still too long. Each step is counted in `SftData.stats`.
+   With the format's actions block, each example shows its state's recorded admissible actions and is trained to
+   write the next state's (`action_lists`: the next step's recorded list, none after the episode's end). The last
+   step of an episode cut without ending has no recorded next list: it is left out (`dropped_unknown_actions`) rather
+   than taught an empty list.
 
 Each `ExpExample` also carries `regions`, a per-token code splitting the target into Eq. 5's two terms: the reasoning
-block (term 1), and the next-state block and the outcome flags with the end-of-turn token (term 2). Regions are found
+block (term 1), and the next-state block, the actions block and the outcome flags with the end-of-turn token (term 2;
+the actions block has its own code so its NLL is reported apart). Regions are found
 by token prefixes of the target's parts; with BPE a token may straddle the boundary between two parts, and it is then
 counted in the later part (nothing is scored twice or dropped). The fidelity module reads the next-state block's
 log-probability from them (the eps_P estimate).
@@ -38,6 +43,7 @@ from dreamjax.data.records import TrajectoryRecord, Transition, transitions
 from dreamjax.experience.annotate import Annotation, check_annotation, rule_annotator, success_references
 from dreamjax.experience.format import (
     ExpFormatConfig,
+    action_lists,
     build_prompt,
     render_user,
     system_prompt,
@@ -49,8 +55,8 @@ from dreamjax.text import Tokenizer
 
 EXCLUDE = ("task", "episode")  # what a training example's retrieved neighbours must not share with it
 # Region codes of `ExpExample.regions`.
-PROMPT, REASONING, NEXT_STATE, OUTCOME = 0, 1, 2, 3
-REGION_NAMES = {REASONING: "reasoning", NEXT_STATE: "next_state", OUTCOME: "outcome"}
+PROMPT, REASONING, NEXT_STATE, OUTCOME, ACTIONS = 0, 1, 2, 3, 4
+REGION_NAMES = {REASONING: "reasoning", NEXT_STATE: "next_state", ACTIONS: "actions", OUTCOME: "outcome"}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -64,6 +70,8 @@ class ExpExample:
   regions: Int[np.ndarray, " T"]  # PROMPT / REASONING / NEXT_STATE / OUTCOME per token
   prompt_len: int  # ids[:prompt_len] is the sampling prompt (generation header included)
   shown_history: int  # (state, action) pairs of the history shown in the prompt
+  admissible: tuple[str, ...] = ()  # the actions admissible in the state, as the prompt shows them
+  next_admissible: tuple[str, ...] = ()  # those admissible in the next state: the target's actions block
 
   @property
   def prompt(self) -> Int[np.ndarray, " P"]:
@@ -135,11 +143,13 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
   return n
 
 
-def target_parts(fmt: ExpFormatConfig, target: str) -> tuple[str, str]:
-  """(reasoning block, reasoning + next-state block) prefixes of a rendered target."""
+def target_parts(fmt: ExpFormatConfig, target: str) -> tuple[str, str, str]:
+  """(reasoning block, reasoning + next-state block, reasoning + next-state + actions blocks) prefixes of a rendered
+  target; the last equals the second without the actions block."""
   cut = target.index("</next_state>") + len("</next_state>\n")
   think = target[: target.index("</think>") + len("</think>\n")] if fmt.reasoning else ""
-  return think, target[:cut]
+  actions = target[: target.index("</actions>") + len("</actions>\n")] if fmt.actions else target[:cut]
+  return think, target[:cut], actions
 
 
 class ExampleBuilder:
@@ -153,24 +163,30 @@ class ExampleBuilder:
   def _regions(self, ids: np.ndarray, loss_mask: np.ndarray, prompt_len: int, target: str) -> np.ndarray:
     regions = np.where(loss_mask == 1, OUTCOME, PROMPT).astype(np.int32)  # frame tokens after end-of-turn stay 0
     body = list(ids[prompt_len:])
-    think, upto_state = target_parts(self.fmt, target)
+    think, upto_state, upto_actions = target_parts(self.fmt, target)
     n_think = _common_prefix(self.tokenizer.encode(think), body) if think else 0
     n_state = _common_prefix(self.tokenizer.encode(upto_state), body)
+    n_actions = _common_prefix(self.tokenizer.encode(upto_actions), body) if self.fmt.actions else n_state
+    regions[prompt_len:prompt_len + n_actions] = ACTIONS
     regions[prompt_len:prompt_len + n_state] = NEXT_STATE
     regions[prompt_len:prompt_len + n_think] = REASONING
     return regions
 
   def fit(self, t: Transition, retrieved: Sequence[Transition], reasoning: str = "", tutorial: str = "",
-          stats: dict[str, int] | None = None) -> ExpExample | None:
-    """The example of transition `t` with `retrieved` neighbours, shortened to fit; None when it cannot fit."""
+          stats: dict[str, int] | None = None, admissible: Sequence[str] = (),
+          next_admissible: Sequence[str] | None = None) -> ExpExample | None:
+    """The example of transition `t` with `retrieved` neighbours and the admissible actions of its state and of its
+    next state (`action_lists`), shortened to fit; None when it cannot fit."""
     fmt = self.fmt
     history = list(t.history)[-fmt.max_history:] if fmt.history and fmt.max_history else []
     shown = list(retrieved)[: fmt.k] if fmt.retrieval else []
-    target = transition_target(fmt, t, reasoning)
+    target = transition_target(fmt, t, reasoning, next_admissible)
+    admissible = tuple(admissible) if fmt.actions else ()
+    next_admissible = tuple(next_admissible or ()) if fmt.actions else ()
     cut_history = cut_retrieval = False
     while True:
       ex = transition_example(self.tokenizer, fmt, dataclasses.replace(t, history=tuple(history)), shown, reasoning,
-                              tutorial)
+                              tutorial, admissible, next_admissible)
       if len(ex.ids) <= self.max_len:
         break
       if history:
@@ -186,16 +202,19 @@ class ExampleBuilder:
       _count(stats, "trimmed_retrieval")
     prompt_len = int(np.argmax(ex.loss_mask))
     return ExpExample(t, tuple(shown), reasoning, tutorial, ex.ids, ex.loss_mask,
-                      self._regions(ex.ids, ex.loss_mask, prompt_len, target), prompt_len, len(history))
+                      self._regions(ex.ids, ex.loss_mask, prompt_len, target), prompt_len, len(history), admissible,
+                      next_admissible)
 
   def prompt(self, instruction: str, history: Sequence[tuple[str, str]], retrieved: Sequence[Transition],
-             state: str, action: str, step: int, reserve: int, tutorial: str = "") -> np.ndarray:
+             state: str, action: str, step: int, reserve: int, tutorial: str = "",
+             admissible: Sequence[str] = ()) -> np.ndarray:
     """A sampling prompt (open-loop prediction), fitted like an example whose target takes `reserve` tokens."""
     fmt = self.fmt
     history = list(history)[-fmt.max_history:] if fmt.history and fmt.max_history else []
     shown = list(retrieved)[: fmt.k] if fmt.retrieval else []
     while True:
-      ids = build_prompt(self.tokenizer, fmt, instruction, history, shown, state, action, tutorial, step).prompt()
+      ids = build_prompt(self.tokenizer, fmt, instruction, history, shown, state, action, tutorial, step,
+                         admissible).prompt()
       if len(ids) + reserve <= self.max_len or not (history or shown):
         return ids
       if history:
@@ -224,10 +243,10 @@ def corpus(records: Sequence[TrajectoryRecord], annotations: Mapping[str, Annota
   """The text M_exp reads and writes on these records (system prompt, user messages with a retrieved example, and
   targets), for training a tiny run's tokenizer."""
   texts = [system_prompt(fmt)]
-  for t in transitions(records):
+  for t, (shown, following) in zip(transitions(records), action_lists(records)):
     a = annotations[t.episode_id]
-    texts.append(render_user(fmt, t.instruction, t.history, [t], t.state, t.action, a.tutorial, t.step))
-    texts.append(transition_target(fmt, t, a.reasons[t.step]))
+    texts.append(render_user(fmt, t.instruction, t.history, [t], t.state, t.action, a.tutorial, t.step, shown))
+    texts.append(transition_target(fmt, t, a.reasons[t.step], () if following is None else following))
   return texts
 
 
@@ -238,13 +257,20 @@ def build_examples(builder: ExampleBuilder, records: Sequence[TrajectoryRecord],
   the transition's own episode, nor, with `exclude="task"`, from any episode of its task."""
   if exclude not in EXCLUDE:
     raise ValueError(f"retrieval exclusion must be one of {EXCLUDE}, got {exclude!r}")
-  items = list(transitions(records))
+  items, lists = [], []
+  for t, (shown, following) in zip(transitions(records), action_lists(records)):
+    if builder.fmt.actions and following is None and not t.done:
+      _count(stats, "dropped_unknown_actions")  # the episode was cut here: the next state's list is not recorded
+      continue
+    items.append(t)
+    lists.append((shown, following))
   found = retrieve(retriever, builder.fmt, [t.state for t in items], [t.action for t in items],
                    [t.episode_id for t in items], [t.task.task_id for t in items] if exclude == "task" else None)
   out = []
-  for t, neighbours in zip(items, found):
+  for t, neighbours, (shown, following) in zip(items, found, lists):
     a = annotations[t.episode_id]
-    ex = builder.fit(t, neighbours, a.reasons[t.step], a.tutorial if builder.fmt.tutorial else "", stats)
+    ex = builder.fit(t, neighbours, a.reasons[t.step], a.tutorial if builder.fmt.tutorial else "", stats, shown,
+                     following)
     if ex is not None:
       out.append(ex)
   stats["examples"] = stats.get("examples", 0) + len(out)

@@ -119,9 +119,13 @@ class DreamGymHook(Hook):
                slots, self.synthetic.digest(), np.asarray([len(self.buffer)], np.int64))
     out = self.curriculum.update(slots, outcome_rewards(traj), iteration, ~traj.env_error)
     s = self.synthetic.stats
+    # exp_failures: M_exp steps unreadable after their retries (or whose prompt overflowed), which end their episode
+    # as env failures: counted in env_errors too, and left out of the update and of write-back.
     return out | {"replay_size": len(self.buffer), "exp_parse_failures": s["parse_failures"],
+                  "exp_retries": s["exp_retries"], "exp_failures": s["exp_failures"],
                   "exp_overflows": s["overflows"], "exp_truncations": s["truncations"],
-                  "exp_generated_tokens": s["mean_generated_tokens"]}
+                  "exp_generated_tokens": s["mean_generated_tokens"], "exp_accepted_per_step": s["accepted_per_step"],
+                  "exp_tokens_per_forward": s["tokens_per_forward"]}
 
   def checkpoint_arrays(self) -> dict[str, Any]:
     return {"curriculum": self.curriculum.pool.state}

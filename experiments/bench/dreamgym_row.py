@@ -36,14 +36,8 @@ import numpy as np
 
 from dreamjax.data.records import TrajectoryRecord, transitions
 from dreamjax.envs.registry import env_tasks
-from dreamjax.experience.format import (
-    ExpFormatConfig,
-    render_example,
-    render_user,
-    system_prompt,
-    transition_target,
-)
-from dreamjax.experience.sft_data import ExampleBuilder, annotations_for, build_examples
+from dreamjax.experience.format import ExpFormatConfig, render_example
+from dreamjax.experience.sft_data import ExampleBuilder, annotations_for, build_examples, corpus
 from dreamjax.experience.synthetic_env import SyntheticEnv, initial_states_from
 from dreamjax.loop.learner import PolicyLearner
 from dreamjax.loop.learner import RLConfig
@@ -104,18 +98,15 @@ def collect_records(n: int) -> list[TrajectoryRecord]:
 def warm_start(base: Path, records: list[TrajectoryRecord], rollout: RolloutConfig, args, log: Callable) -> Path:
   """The SFT'd benchmark model with its tokenizer (module docstring), made once and cached beside `base`."""
   kinds = "pe" if args.warm_exp else "p"
-  folder = base.parent / f"{base.name}-dreamgym-{kinds}-w{args.warm_steps}-r{args.warm_rows}-e{args.episodes}"
+  # "-actions": M_exp's format lists the admissible actions (a cached model from before is not reused)
+  folder = base.parent / f"{base.name}-dreamgym-{kinds}-w{args.warm_steps}-r{args.warm_rows}-e{args.episodes}-actions"
   if (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file():
     return folder
   cfg, params = load_hf_checkpoint(base)
   tmp = folder.with_name(folder.name + ".tmp")
   shutil.rmtree(tmp, ignore_errors=True)
   notes = annotations_for(records)
-  items = list(transitions(records))
-  texts = policy_texts(records, AGENT) + [system_prompt(EXP)] + [
-      render_user(EXP, t.instruction, t.history, [], t.state, t.action) + transition_target(EXP, t,
-                                                                                          notes[t.episode_id].reasons[t.step])
-      for t in items]
+  texts = policy_texts(records, AGENT) + corpus(records, notes, EXP)
   tok = train_bpe_tokenizer(texts, tmp / "tokenizer", vocab_size=min(1024, cfg.vocab_size))
   cfg = cfg.replace(eos_token_id=tok.eos_ids[0])
   policy, _ = sft_rows(records, tok, AGENT, RowConfig(), rollout)

@@ -19,6 +19,13 @@ rows (16 by default, not 64: these envs are CPU-bound per step, so on a 2-core m
 steps/s beyond what the workers' cores give, while 64 TextWorld-Express rows would start 64 JVMs). Envs whose package is missing are skipped with a line saying why. Prints a markdown table
 with the synthetic contender's ratio to each real one, and writes table.md and results.json to --out.
 
+A trained M_exp (`--exp-model`, a folder written by `dreamjax train-exp`, e.g. the demo's runs/demo/exp_model) adds a
+second table: that M_exp stepping the recorded first actions of --rows episodes, greedy, at each `--draft-tokens`
+setting of copy-speculative decoding (0 is plain decoding): transitions/s, the speedup over plain decoding, the
+acceptance rates, and whether every answer equals plain decoding's (it must: greedy speculation is exact). Its
+prompts use the model's own bucket (`--exp-bucket`) and retrieval (phi and the training format, from exp_model.json)
+over the offline transitions.
+
 Offline data: --records (a JSONL of TrajectoryRecords, e.g. from `dreamjax collect`), by default
 runs/collect/twx_500/trajectories.jsonl when it exists, else a few dozen TextWorld-Express expert episodes collected
 here (about a minute).
@@ -44,12 +51,20 @@ from dreamjax.data.records import StepRecord, TrajectoryRecord, read_trajectorie
 from dreamjax.envs.base import SerialBatchEnv  # noqa: E402
 from dreamjax.envs.pool import EnvPool  # noqa: E402
 from dreamjax.envs.registry import make_env  # noqa: E402
-from dreamjax.experience.format import ExpFormatConfig, render_user, system_prompt, transition_target  # noqa: E402
+from dreamjax.experience.format import (  # noqa: E402
+    ExpFormatConfig,
+    action_lists,
+    render_user,
+    system_prompt,
+    transition_target,
+)
+from dreamjax.experience.exp_model import exp_format, exp_retriever, load_exp_model  # noqa: E402
 from dreamjax.experience.synthetic_env import SyntheticEnv, initial_states_from  # noqa: E402
 from dreamjax.models import init_params, tiny  # noqa: E402
 from dreamjax.replay.encoder import BackbonePooledEncoder  # noqa: E402
 from dreamjax.replay.index import make_index  # noqa: E402
 from dreamjax.replay.retriever import Retriever  # noqa: E402
+from dreamjax.sampling import SpeculativeConfig  # noqa: E402
 from dreamjax.text import train_bpe_tokenizer  # noqa: E402
 from experiments.bench.envs import BENCH_ENVS, drive, missing  # noqa: E402
 
@@ -81,13 +96,16 @@ def collect_twx(episodes: int) -> list[TrajectoryRecord]:
 
 def bench_synthetic(args, records: list[TrajectoryRecord]) -> dict:
   fmt = ExpFormatConfig(k=args.k)
-  ts = list(transitions(records))
+  # (transition, its state's admissible actions, its next state's); a cut episode's last step has no known next list
+  ts = [(t, shown, following) for t, (shown, following) in zip(transitions(records), action_lists(records))
+        if following is not None or t.done]
   rng = np.random.default_rng(args.seed)
   sample = [ts[i] for i in rng.choice(len(ts), min(len(ts), 2000), replace=False)]
-  texts = [system_prompt(fmt)] + [render_user(fmt, t.instruction, t.history, [], t.state, t.action) for t in sample]
-  texts += [transition_target(fmt, t) for t in sample]
+  targets = [transition_target(fmt, t, "", following) for t, _, following in sample]
+  texts = [system_prompt(fmt)] + [render_user(fmt, t.instruction, t.history, [], t.state, t.action, admissible=shown)
+                                  for t, shown, _ in sample] + targets
   tok = train_bpe_tokenizer(texts, tempfile.mkdtemp(prefix="bench_tok_"), vocab_size=args.vocab)
-  target_tokens = float(np.mean([len(tok.encode(transition_target(fmt, t))) for t in sample]))
+  target_tokens = float(np.mean([len(tok.encode(x)) for x in targets]))
   cfg = tiny("qwen2", vocab_size=tok.vocab_size, max_position_embeddings=args.bucket + args.new_tokens)
   params = init_params(cfg, jax.random.key(args.seed))
 
@@ -102,7 +120,7 @@ def bench_synthetic(args, records: list[TrajectoryRecord]) -> dict:
   tasks, actions = [r.task for r in rows], [r.steps[0].action for r in rows]
   env = SyntheticEnv(cfg, params, tok, fmt, retriever, initial_states=initial_states_from(records),
                      max_new_tokens=args.new_tokens, temperature=1.0, prompt_buckets=(args.bucket,),
-                     key=jax.random.key(args.seed))
+                     key=jax.random.key(args.seed), exp_retries=0)  # one answer per step: a random M_exp never parses
   env.reset_batch(tasks)
   t0 = time.perf_counter()
   env.step_batch(actions)  # compiles the sampler for (rows, bucket)
@@ -128,6 +146,58 @@ def bench_synthetic(args, records: list[TrajectoryRecord]) -> dict:
           "mean_generated_tokens": s["mean_generated_tokens"], "mean_target_tokens": target_tokens,
           "vocab": tok.vocab_size, "parse_failures": s["parse_failures"], "compilations": s["compilations"],
           "split": {k: s[k] / step_s for k in ("retrieval_s", "prompt_s", "sample_s", "parse_s")}}
+
+
+def bench_trained(args, records: list[TrajectoryRecord]) -> list[dict]:
+  """The trained M_exp of --exp-model at each --draft-tokens setting (module docstring), greedy."""
+  meta = json.loads((Path(args.exp_model) / "exp_model.json").read_text())
+  fmt = exp_format(meta)
+  cfg, params, tok, meta, fmt = load_exp_model(args.exp_model, reasoning=fmt.reasoning, replay=fmt.retrieval,
+                                               dtype="float32", mesh=None)
+  retriever = exp_retriever(meta["retrieval_encoder"], meta["encoder_folder"])
+  retriever.add(list(transitions(records, max_history=0))[: args.buffer])
+  starts = [r for r in records if r.steps]
+  rows = [starts[i % len(starts)] for i in range(args.rows)]
+  tasks, actions = [r.task for r in rows], [r.steps[0].action for r in rows]
+  exclude = {r.task.task_id: r.episode_id for r in rows}  # never the row's own episode, as in training
+  bucket = args.exp_bucket or meta["max_len"]
+  out, reference = [], None
+  for k in [int(x) for x in args.draft_tokens.split(",")]:
+    env = SyntheticEnv(cfg, params, tok, fmt, retriever if fmt.retrieval else None,
+                       initial_states=initial_states_from(records), max_new_tokens=meta["max_new_tokens"],
+                       temperature=0.0, prompt_buckets=(bucket,), key=jax.random.key(args.seed),
+                       exclude_episodes=exclude, speculative=SpeculativeConfig(draft_tokens=k))
+    env.reset_batch(tasks)
+    t0 = time.perf_counter()
+    answers = [r.info["output"] for r in env.step_batch(actions)]  # compiles
+    first_s = time.perf_counter() - t0
+    env.reset_stats()
+    steps, step_s = 0, 0.0
+    while step_s < args.seconds:
+      env.reset_batch(tasks)
+      t0 = time.perf_counter()
+      steps += len(env.step_batch(actions))
+      step_s += time.perf_counter() - t0
+    s = env.stats
+    reference = answers if reference is None else reference
+    out.append({"draft_tokens": k, "rows": args.rows, "bucket": bucket, "steps": steps, "steps_per_s": steps / step_s,
+                "first_step_s": first_s, "mean_generated_tokens": s["mean_generated_tokens"],
+                "parse_failures": s["parse_failures"], "accepted_per_step": s["accepted_per_step"],
+                "tokens_per_forward": s["tokens_per_forward"], "same_answers_as_first": answers == reference})
+    print(f"  trained M_exp, K={k}: {out[-1]['steps_per_s']:.1f} transitions/s, {s['tokens_per_forward']:.2f} "
+          f"tokens per forward", file=sys.stderr, flush=True)
+  return out
+
+
+def trained_table(rows: list[dict], folder: str) -> str:
+  lines = [f"| trained M_exp ({folder}), greedy | transitions/s | vs K=0 | accepted / step | tokens / forward | "
+           "tokens / step | answers equal K=0's |", "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    lines.append(f"| K={r['draft_tokens']}, {r['rows']} rows, bucket {r['bucket']} | {r['steps_per_s']:.1f} | "
+                 f"{r['steps_per_s'] / rows[0]['steps_per_s']:.2f}x | {r['accepted_per_step']:.2f} | "
+                 f"{r['tokens_per_forward']:.2f} | {r['mean_generated_tokens']:.0f} | "
+                 f"{'yes' if r['same_answers_as_first'] else 'NO'} |")
+  return "\n".join(lines)
 
 
 def bench_real(name: str, args) -> list[dict]:
@@ -180,15 +250,21 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--real-seconds", type=float, default=20.0, help="stepping time per real contender (times the "
                       "env's seconds_scale)")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--exp-model", default="", help="a trained M_exp folder (dreamjax train-exp): adds its table")
+  parser.add_argument("--draft-tokens", default="0,4,8", help="speculative settings for --exp-model (0: plain)")
+  parser.add_argument("--exp-bucket", type=int, default=0, help="--exp-model's prompt bucket (0: its max_len)")
+  parser.add_argument("--skip-random", action="store_true", help="skip the random-model contender and the real envs")
   parser.add_argument("--out", default=str(ROOT / "runs" / "bench" / "synthetic_env"))
   args = parser.parse_args(argv)
 
   records = read_trajectories(args.records) if args.records else collect_twx(args.episodes)
   print(f"{len(records)} episodes, {sum(r.num_steps for r in records)} transitions", file=sys.stderr, flush=True)
-  synthetic = bench_synthetic(args, records) | {"bucket": args.bucket}
-  print(f"  synthetic x{args.rows}: {synthetic['steps_per_s']:.1f} transitions/s", file=sys.stderr, flush=True)
-  real, skipped = [], {}
-  for name in [n for n in args.real_envs.split(",") if n]:
+  trained = bench_trained(args, records) if args.exp_model else []
+  synthetic, real, skipped = None, [], {}
+  if not args.skip_random:
+    synthetic = bench_synthetic(args, records) | {"bucket": args.bucket}
+    print(f"  synthetic x{args.rows}: {synthetic['steps_per_s']:.1f} transitions/s", file=sys.stderr, flush=True)
+  for name in [n for n in args.real_envs.split(",") if n and not args.skip_random]:
     if name not in BENCH_ENVS:
       parser.error(f"unknown env {name!r}; known: {', '.join(BENCH_ENVS)}")
     why = missing(name)
@@ -200,13 +276,14 @@ def main(argv: list[str] | None = None) -> int:
         why = f"failed: {type(e).__name__}: {e}"
     skipped[name] = why
     print(f"skipped {name}: {why}")
-  text = table(synthetic, real)
+  text = "\n\n".join(([table(synthetic, real)] if synthetic else []) +
+                     ([trained_table(trained, args.exp_model)] if trained else []))
   print(text)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   (out / "table.md").write_text(text + "\n")
   (out / "results.json").write_text(json.dumps({"args": vars(args), "synthetic": synthetic, "real": real,
-                                                "skipped": skipped}, indent=1) + "\n")
+                                                "skipped": skipped, "trained": trained}, indent=1) + "\n")
   print(f"wrote {out / 'results.json'}")
   return 0
 
