@@ -160,7 +160,7 @@ def bench_trained(args, records: list[TrajectoryRecord]) -> list[dict]:
   rows = [starts[i % len(starts)] for i in range(args.rows)]
   tasks, actions = [r.task for r in rows], [r.steps[0].action for r in rows]
   exclude = {r.task.task_id: r.episode_id for r in rows}  # never the row's own episode, as in training
-  bucket = args.exp_bucket or meta["max_len"]
+  bucket = args.exp_bucket or min(meta["max_len"], cfg.max_position_embeddings - meta["max_new_tokens"])
   out, reference = [], None
   for k in [int(x) for x in args.draft_tokens.split(",")]:
     env = SyntheticEnv(cfg, params, tok, fmt, retriever if fmt.retrieval else None,
@@ -252,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--exp-model", default="", help="a trained M_exp folder (dreamjax train-exp): adds its table")
   parser.add_argument("--draft-tokens", default="0,4,8", help="speculative settings for --exp-model (0: plain)")
-  parser.add_argument("--exp-bucket", type=int, default=0, help="--exp-model's prompt bucket (0: its max_len)")
+  parser.add_argument("--exp-bucket", type=int, default=0, help="--exp-model's prompt bucket (0: its max_len, "
+                      "less its decode budget where the position table needs it)")
   parser.add_argument("--skip-random", action="store_true", help="skip the random-model contender and the real envs")
   parser.add_argument("--out", default=str(ROOT / "runs" / "bench" / "synthetic_env"))
   args = parser.parse_args(argv)
