@@ -4,9 +4,11 @@ Needs three earlier runs (their outputs are the paths below): offline data (conf
 model trained on it (configs/train_exp_twx.py) and the policy SFT warm start (configs/train_policy_twx.py).
 
 Run:   dreamjax dreamgym --config configs/dreamgym_twx.py
-Ablations (docs/paper_map.md): --set replay=false | --set curriculum.enabled=false | an M_exp trained with
-       --set format.reasoning=false given as --set exp_model=... --set reasoning=false
-PPO:   --set rl.algorithm=ppo --set rl.advantage=gae_turn --set rl.objective.vf_coef=0.5
+Ablations (docs/paper_map.md): an M_exp trained with --set format.retrieval=false, given as --set exp_model=...
+       --set replay=false | --set curriculum.generate_every=0 | --set curriculum.enabled=false | an M_exp trained
+       with --set format.reasoning=false, given as --set exp_model=... --set reasoning=false
+PPO:   --set rl.algorithm=ppo --set rl.advantage=gae_turn (a separate critic, rl.critic.*; reproduce's PPO rows take
+       verl-agent's settings from dreamjax/loop/learner.py's as_ppo)
 Tiny (CPU): collect the small coin dataset and train the tiny M_exp as configs/train_exp_twx.py's docstring says, the
        tiny policy warm start as configs/train_policy_twx.py's says, then
        dreamjax dreamgym --config configs/dreamgym_twx.py:tiny

@@ -74,10 +74,13 @@ def dist_config(warm_start: str | Path, out: str | Path) -> RLConfig:
 
 
 def exp_config(data: str | Path, out: str | Path) -> ExpSftConfig:
-  """A few M_exp SFT steps (configs/train_exp_twx.py:tiny) over all 8 devices; no held-out side, so no decoding."""
+  """M_exp SFT (configs/train_exp_twx.py:tiny) over all 8 devices; no held-out side, so no decoding. Enough steps
+  that some of its answers parse in the DreamGym run: an answer that never parses ends its episode as an env failure,
+  and a run whose every episode failed would not update."""
   cfg = load_config(str(ROOT / "configs" / "train_exp_twx.py") + ":tiny",
-                    [f"trajectories={data}", f"out_dir={out}", "steps=8", "eval_every=0", "held_out_fraction=0",
-                     "max_len=512", "log_every=4"])
+                    [f"trajectories={data}", f"out_dir={out}", "steps=120", "optim.total_steps=120", "eval_every=0",
+                     "held_out_fraction=0", "max_len=512", "log_every=60",
+                     "model.tiny.max_position_embeddings=640"])  # DreamGym's 480-token prompts + 128-token answers
   return dataclasses.replace(cfg, mesh=MeshConfig(data=2, fsdp=4), track=TrackConfig(progress=False))
 
 
@@ -88,7 +91,7 @@ def dreamgym_config(warm_start: str | Path, data: str | Path, exp_model: str | P
   rl = dataclasses.replace(dist_config(warm_start, out), eval_tasks=TaskSpec(("coin",), "dev", 0, 2, TWO_ROOMS),
                            eval_batch=2)
   return DreamGymConfig(rl=rl, exp_model=str(exp_model), offline_data=(str(data),), reasoning=False,
-                        exp_max_new_tokens=32, exp_prompt_buckets=(480,),
+                        exp_max_new_tokens=128, exp_prompt_buckets=(480,),  # 128: a whole answer with its list
                         curriculum=CurriculumConfig(capacity=64, generate_every=2, seeds_per_round=2,
                                                     variants_per_seed=2, max_new_tokens=24, lam=0.5,
                                                     min_variance=-1.0),

@@ -403,7 +403,10 @@ def test_dreamgym_equals_the_single_process_run(runs, warm_start):
     items = list(x.iter_from(0))
     assert items == list(y.iter_from(0))
   synthetic = [t for t in items if t.origin == "synthetic"]
-  assert len(synthetic) == d["synthetic_transitions"] and len(items) == d["replay_size"] > len(synthetic)
+  # M_exp steps unreadable after their retries are env failures, never written back (this 8-step M_exp writes few
+  # readable answers: what is checked is that every process resampled and failed the same rows)
+  failed = sum(m["exp_failures"] for m in read_metrics(out / "metrics.jsonl") if "exp_failures" in m)
+  assert len(synthetic) == d["synthetic_transitions"] - failed and len(items) == d["replay_size"] > len(synthetic)
   assert (out / "task_pool.json").read_text() == (single / "task_pool.json").read_text()
   assert len(TaskPool.load(out / "task_pool.json")) >= len({t.task.task_id for t in items if t.origin == "offline"})
   _same_params(out / "final", single / "final", warm_start, outliers=1e-4, lr=dist_config(warm_start, out).optim.lr)
@@ -418,7 +421,7 @@ def test_train_exp_equals_the_single_process_run(runs):
   assert untimed(a["train_exp"]["summary"]) == untimed(summary)
   np.testing.assert_allclose(a["train_exp"]["summary"]["final_train_loss"], summary["final_train_loss"], rtol=1e-5)
   dist_rows, single_rows = read_metrics(out / "exp" / "metrics.jsonl"), read_metrics(single / "metrics.jsonl")
-  assert [r["step"] for r in dist_rows] == [r["step"] for r in single_rows] == [4, 8]
+  assert [r["step"] for r in dist_rows] == [r["step"] for r in single_rows] == [60, 120]
   for d, s in zip(dist_rows, single_rows):
     d, s = _untimed(d), _untimed(s)
     assert d.keys() == s.keys()
