@@ -75,6 +75,13 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Published HF config.json values (the fields our ModelConfig reads), written in so nothing is downloaded; the sizes
 # are the totals their model cards state.
 PUBLISHED: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_theta=500000.0, attention_bias=False, mlp_bias=False, tie_word_embeddings=True,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+        bos_token_id=128000, eos_token_id=[128001, 128008, 128009], torch_dtype="bfloat16"),
     "llama-3.2-3b": dict(
         model_type="llama", vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
         num_attention_heads=24, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
@@ -95,7 +102,7 @@ PUBLISHED: dict[str, dict[str, Any]] = {
         rope_theta=1000000.0, use_sliding_window=False, sliding_window=131072, max_window_layers=28,
         tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16"),
 }
-PUBLISHED_SIZES = {"llama-3.2-3b": 3.21e9, "llama-3.1-8b": 8.03e9, "qwen2.5-7b": 7.62e9}
+PUBLISHED_SIZES = {"llama-3.2-1b": 1.24e9, "llama-3.2-3b": 3.21e9, "llama-3.1-8b": 8.03e9, "qwen2.5-7b": 7.62e9}
 
 # The fields the planner reads of the loops' configs (dotted: nested configs), so a config class can be checked
 # without importing it. An RL config (`plan_rl`, and `rl` of a DreamGym config): `rows` the rollout rows per

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dreamjax.data.records import TrajectoryRecord, transitions
+from dreamjax.data.records import TrajectoryRecord, read_trajectories, transitions
 from dreamjax.envs.registry import env_tasks
 from dreamjax.experience.format import ExpFormatConfig, render_example
 from dreamjax.experience.sft_data import ExampleBuilder, annotations_for, build_examples, corpus
@@ -69,6 +69,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
   g.add_argument("--exp-bucket", type=int, default=0,
                  help="M_exp prompt width, prompts trimmed to fit (0: the longest recorded step with k neighbours)")
   g.add_argument("--episodes", type=int, default=8, help="expert episodes recorded for data and warm start")
+  g.add_argument("--records", type=Path, default=None,
+                 help="read the episodes from this trajectories JSONL (`dreamjax collect` output; its first --episodes) "
+                      "instead of recording them with TextWorld-Express (for hosts without Java)")
   g.add_argument("--warm-steps", type=int, default=None, help="warm-start SFT steps (default 80; 150 --small)")
   g.add_argument("--warm-rows", type=int, default=4, help="rows per warm-start step")
   g.add_argument("--warm-lr", type=float, default=3e-3)
@@ -135,8 +138,12 @@ def warm_start(base: Path, records: list[TrajectoryRecord], rollout: RolloutConf
 def bench(base: Path, args, prompts: int, group: int, objective, optim, flops_fn: Callable, log: Callable) -> dict:
   args.exp_new_tokens = args.exp_new_tokens or (96 if args.small else 160)
   args.warm_steps = args.warm_steps if args.warm_steps is not None else (150 if args.small else 80)
-  log("[DreamGym] recording expert episodes ...")
-  records = collect_records(args.episodes)
+  if args.records:
+    records = read_trajectories(args.records)[:args.episodes]
+    log(f"[DreamGym] {len(records)} episodes from {args.records}")
+  else:
+    log("[DreamGym] recording expert episodes ...")
+    records = collect_records(args.episodes)
   budget = RolloutConfig(group_size=group, max_turns=args.turns, max_action_tokens=args.action_tokens,
                          max_episode_tokens=args.turns * args.action_tokens, prompt_buckets=(2048,), temperature=1.0)
   folder = warm_start(base, records, budget, args, log)

@@ -126,16 +126,18 @@ def id_tokenizer():
                                vocab_size=300)
 
 
-def grpo_learner(model_cfg: ModelConfig, params, tok, prompt_len: int, new_tokens: int) -> PolicyLearner:
-  rows = PROMPTS * GROUP
-  cfg = RLConfig(objective=OBJECTIVE, optim=OPTIM, tasks_per_iteration=PROMPTS, rows_per_step=rows, score_batch=rows,
-                 pad_to=64, rollout=RolloutConfig(group_size=GROUP, max_turns=1, max_action_tokens=new_tokens,
+def grpo_learner(model_cfg: ModelConfig, params, tok, prompt_len: int, new_tokens: int, prompts: int = PROMPTS,
+                 group: int = GROUP) -> PolicyLearner:
+  rows = prompts * group
+  cfg = RLConfig(objective=OBJECTIVE, optim=OPTIM, tasks_per_iteration=prompts, rows_per_step=rows, score_batch=rows,
+                 pad_to=64, rollout=RolloutConfig(group_size=group, max_turns=1, max_action_tokens=new_tokens,
                                                   max_episode_tokens=new_tokens, prompt_buckets=(prompt_len,),
                                                   temperature=1.0), agent=AgentFormat(think=False))
   return PolicyLearner(cfg, model_cfg, params, tok)
 
 
-def single_turn(prompts: np.ndarray, tokens: np.ndarray, logps: np.ndarray, lengths: np.ndarray) -> Trajectories:
+def single_turn(prompts: np.ndarray, tokens: np.ndarray, logps: np.ndarray, lengths: np.ndarray,
+                group: int = GROUP) -> Trajectories:
   """One-turn episodes (prompt ids + sampled ids) in the rollout engine's contract, rewarded by `even_fraction`."""
   n, p = prompts.shape
   width = p + tokens.shape[1]
@@ -152,27 +154,33 @@ def single_turn(prompts: np.ndarray, tokens: np.ndarray, logps: np.ndarray, leng
       tokens=ids, kinds=kinds, loss_mask=(kinds == Kind.ACTION).astype(np.int32), rollout_logp=logp,
       lengths=(p + lengths).astype(np.int32), prompt_lengths=np.full(n, p, np.int32), episode=rows,
       turn=np.zeros(n, np.int32), reward=reward, done=np.ones(n, bool), invalid=np.zeros(n, bool),
-      truncated=np.ones(n, bool), group=rows // GROUP, task_index=rows // GROUP, num_turns=np.ones(n, np.int32),
+      truncated=np.ones(n, bool), group=rows // group, task_index=rows // group, num_turns=np.ones(n, np.int32),
       turn_rows=rows[:, None], episode_reward=reward, success=np.zeros(n, bool), ended=np.ones(n, bool),
       env_error=np.zeros(n, bool), records=())
 
 
 def bench_dreamjax_grpo(folder: Path, args) -> dict:
   model_cfg, params = load_hf_checkpoint(folder)
-  learner = grpo_learner(model_cfg, params, id_tokenizer(), args.prompt_len, args.new_tokens)
-  rows = PROMPTS * GROUP
+  return bench_grpo(model_cfg, params, args.prompt_len, args.new_tokens, args.warmup, args.runs)
+
+
+def bench_grpo(model_cfg: ModelConfig, params, prompt_len: int, new_tokens: int, warmup: int, runs: int,
+               prompts: int = PROMPTS, group: int = GROUP) -> dict:
+  """Row 1's workload on these weights (the model config's dtypes are the run's: tools/accelerator_check.py runs it in
+  bfloat16): `warmup` + `runs` iterations of `prompts` x `group` rows, phase seconds and the last update's FLOPs."""
+  learner = grpo_learner(model_cfg, params, id_tokenizer(), prompt_len, new_tokens, prompts, group)
+  rows = prompts * group
   rng = np.random.default_rng(0)
-  sp = sampling_params(rows, args.new_tokens, temperature=1.0)
+  sp = sampling_params(rows, new_tokens, temperature=1.0)
   steps, flops = [], 0.0
-  for it in range(args.warmup + args.runs):
-    prompts = np.repeat(rng.integers(10, model_cfg.vocab_size, size=(PROMPTS, args.prompt_len)), GROUP, axis=0)
+  for it in range(warmup + runs):
+    ids = np.repeat(rng.integers(10, model_cfg.vocab_size, size=(prompts, prompt_len)), group, axis=0)
     t0 = time.perf_counter()
     keys = jax.random.split(jax.random.fold_in(learner.root, it), rows)
-    out = learner.engine.sampler(learner.sampling_params(), prompts.astype(np.int32), np.ones_like(prompts, bool), keys,
-                                 sp)
+    out = learner.engine.sampler(learner.sampling_params(), ids.astype(np.int32), np.ones_like(ids, bool), keys, sp)
     tokens, logps, lengths = (np.asarray(x) for x in (out.tokens, out.logps, out.lengths))
     t1 = time.perf_counter()
-    traj = single_turn(prompts, tokens, logps, lengths)
+    traj = single_turn(ids, tokens, logps, lengths, group)
     batch, _ = learner.build_batch(traj)
     t2 = time.perf_counter()
     metrics = learner.update(batch, np.arange(rows), it)
@@ -181,7 +189,7 @@ def bench_dreamjax_grpo(folder: Path, args) -> dict:
     steps.append(dict(rollout_s=t1 - t0, scoring_s=t2 - t1, update_s=t3 - t2, total_s=t3 - t0,
                       loss=metrics["loss"], kl=metrics.get("kl"), mean_reward=float(traj.reward.mean())))
     log(f"[dreamjax GRPO] iteration {it}: " + ", ".join(f"{k} {steps[-1][k]:.2f}" for k in PHASES))
-  return dict(name="dreamjax GRPO", steps=steps, median=median_phases(steps[args.warmup:]), first_s=steps[0]["total_s"],
+  return dict(name="dreamjax GRPO", steps=steps, median=median_phases(steps[warmup:]), first_s=steps[0]["total_s"],
               update_flops=flops, update_rows=rows, update_tokens=int(np.asarray(batch.valid).sum()),
               sampler_compilations=learner.engine.sampler.compilations(), step_compilations=learner.step.compilations())
 
