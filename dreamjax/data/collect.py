@@ -1,10 +1,15 @@
-"""The collector: expert, random and epsilon-noisy policies on a real env, episodes written to JSONL as they finish.
+"""The collector: expert, explorer, random and epsilon-noisy policies on a real env, episodes written to JSONL as they finish.
 
 Policies (by name):
 - "expert": the env's `expert_action()`; where it has none (TWX's gold path after a deviation, an exhausted path), a
   uniformly random admissible action stands in, recorded as step source "fallback".
 - "random": uniform over the admissible actions of the current observation.
 - "eps<p>" (e.g. "eps0.3"): random with probability p, else the expert (with the same fallback).
+- "explorer": TWX only, `dreamjax.envs.twx_explorer.TwxExplorer`, an expert that acts on the observations alone (the
+  state, the admissible actions, the episode's own history; never the gold path), run here in the collector's process
+  on what the batch env returns; where it has no action, random stands in ("fallback"). Step source "explorer".
+- "explorer-eps<p>" (e.g. "explorer-eps0.3"): random with probability p, else the explorer.
+`parse_policy` reads a name as (base policy, p): every policy is "random with probability p, else the base".
 Each episode draws from its own `random.Random(seed)`, the seed a hash of (config seed, episode id), so an episode's
 choices do not depend on the batch it ran in, the number of workers, or on resuming. (Whether the env itself is
 deterministic is the env's business: TWX's coin and twc gold paths are not.)
@@ -39,6 +44,7 @@ from dreamjax.data.jsonl import JsonlWriter
 from dreamjax.data.records import StepRecord, TrajectoryRecord, iter_trajectories, summarize
 from dreamjax.envs.base import ENV_ERROR, Observation, Task, env_failed
 from dreamjax.envs.registry import env_tasks, make_batch_env, parse_env_kwargs
+from dreamjax.envs.twx_explorer import TwxExplorer
 from dreamjax.envs.web_state import instantiate
 
 
@@ -76,20 +82,27 @@ class Episode:
   seed: int
 
 
-def parse_policy(name: str) -> float:
-  """The probability of a random action: expert 0, random 1, eps<p> p."""
-  if name == "expert":
-    return 0.0
+POLICY_BASES = ("expert", "explorer")  # the policies random noise is mixed with (a step source each)
+EXPLORER_ENVS = ("textworld_express",)  # envs whose observations the explorer reads
+
+
+def parse_policy(name: str) -> tuple[str, float]:
+  """(base policy, probability of a random action): expert ("expert", 0), random ("random", 1), eps<p> ("expert", p),
+  explorer ("explorer", 0), explorer-eps<p> ("explorer", p)."""
+  if name in POLICY_BASES:
+    return name, 0.0
   if name == "random":
-    return 1.0
-  if name.startswith("eps"):
+    return "random", 1.0
+  base, noise = ("explorer", name[len("explorer-"):]) if name.startswith("explorer-") else ("expert", name)
+  if noise.startswith("eps"):
     try:
-      p = float(name[3:])
+      p = float(noise[3:])
     except ValueError:
       p = -1.0
     if 0.0 <= p <= 1.0:
-      return p
-  raise ValueError(f"unknown policy {name!r}: expected 'expert', 'random' or 'eps<p>' with 0 <= p <= 1")
+      return base, p
+  raise ValueError(f"unknown policy {name!r}: expected 'expert', 'random', 'eps<p>', 'explorer' or 'explorer-eps<p>'"
+                   " with 0 <= p <= 1")
 
 
 def parse_policies(items: Sequence[str]) -> list[tuple[str, int]]:
@@ -131,6 +144,9 @@ def _expert_actions(batch, rows: list[int]) -> dict[int, str | None]:
   return {i: actions[i] for i in rows}
 
 
+_EXPLORER = TwxExplorer()
+
+
 def run_episodes(batch, episodes: Sequence[Episode],
                  max_steps: int) -> Iterator[tuple[Episode, TrajectoryRecord | str]]:
   """Runs episodes together on a BatchEnv, one row each; yields (episode, record) as each ends, or (episode, error)
@@ -138,20 +154,23 @@ def run_episodes(batch, episodes: Sequence[Episode],
   n = len(episodes)
   obs: list[Observation] = batch.reset_batch([e.task for e in episodes])
   rngs = [random.Random(e.seed) for e in episodes]
-  eps = [parse_policy(e.policy) for e in episodes]
+  base, eps = zip(*(parse_policy(e.policy) for e in episodes)) if episodes else ((), ())
   steps: list[list[StepRecord]] = [[] for _ in episodes]
+  history: list[list[tuple[Observation, str]]] = [[] for _ in episodes]  # what the explorer reads: its own episode
   live = [True] * n
   score: list[Any] = [None] * n
   while any(live):
     use_random = [live[i] and (eps[i] >= 1.0 or (eps[i] > 0.0 and rngs[i].random() < eps[i])) for i in range(n)]
-    experts = _expert_actions(batch, [i for i in range(n) if live[i] and not use_random[i]])
+    guided = [i for i in range(n) if live[i] and not use_random[i]]
+    experts = _expert_actions(batch, [i for i in guided if base[i] == "expert"])
+    experts.update({i: _EXPLORER.act(obs[i], history[i]) for i in guided if base[i] == "explorer"})
     actions: list[str | None] = [None] * n
     sources = [""] * n
     for i in range(n):
       if not live[i]:
         continue
       if not use_random[i] and experts[i] is not None:
-        actions[i], sources[i] = experts[i], "expert"
+        actions[i], sources[i] = experts[i], base[i]
       else:
         # No admissible list (or a row the pool already ended): "" is an invalid action the env records as such.
         # Admissible entries may be templates with a free-text slot (web forms: fill('15', <text>)).
@@ -168,6 +187,7 @@ def run_episodes(batch, episodes: Sequence[Episode],
         continue
       steps[i].append(StepRecord(obs[i].state, actions[i], r.observation.state, float(r.reward), bool(r.done),
                                  bool(r.success), bool(r.invalid), tuple(obs[i].admissible), sources[i]))
+      history[i].append((obs[i], actions[i]))
       obs[i] = r.observation
       if isinstance(r.info.get("score"), int | float) and not isinstance(r.info.get("score"), bool):
         score[i] = float(r.info["score"])
@@ -201,7 +221,11 @@ def _load_done(path: Path) -> dict[str, TrajectoryRecord]:
 def collect(cfg: CollectConfig, episodes: Sequence[Episode] | None = None, batch=None) -> dict[str, Any]:
   """Collects the planned episodes that out_dir's JSONL lacks, then writes summary.json (and the TFDS dataset).
   `batch` may be any BatchEnv (it is not closed here); by default an EnvPool (or in-process envs) is made."""
-  parse_policies(cfg.policies)  # bad settings fail here, before any env starts or file is written
+  policies = parse_policies(cfg.policies)  # bad settings fail here, before any env starts or file is written
+  explorers = [n for n, _ in policies if parse_policy(n)[0] == "explorer"]
+  if explorers and cfg.env not in EXPLORER_ENVS:
+    raise ValueError(f"collect: policy {explorers[0]!r} reads TextWorld-Express observations; env {cfg.env!r} is not"
+                     f" one of {', '.join(EXPLORER_ENVS)}")
   parse_env_kwargs(cfg.env_kwargs)
   if not cfg.games or cfg.rows_per_worker < 1 or cfg.max_steps < 1:
     raise ValueError("collect: games must be non-empty and rows_per_worker and max_steps positive")

@@ -7,8 +7,9 @@ JSON form (one object per JSONL line; keys sorted on write):
    "steps": [{"state": "...", "action": "...", "next_state": "...", "reward": 0.0, "done": false, "success": false,
               "invalid": false, "admissible": ["...", ...], "source": "expert" | "random" | "fallback"}, ...]}
 `admissible` lists the actions admissible in `state` (before the action). `source` says who picked the action:
-the env's expert, the random policy, the random policy standing in because the expert had no action ("fallback"),
-or the learning agent ("policy", episodes recorded by the rollout engine).
+the env's expert, the observation-only TWX explorer ("explorer", dreamjax.envs.twx_explorer), the random policy, the
+random policy standing in because the expert or explorer had no action ("fallback"), or the learning agent ("policy",
+episodes recorded by the rollout engine).
 `score` is the env's own score at the end (info["score"]) when the adapter reports one.
 
 Reading is strict: a missing, unknown or mistyped field raises ValueError naming the source (file:line) and the
@@ -29,7 +30,7 @@ from dreamjax.data.jsonl import read_jsonl
 from dreamjax.envs.base import Task
 
 FORMAT = "dreamjax.trajectory.v1"
-ACTION_SOURCES = ("expert", "random", "fallback", "policy")  # who picked a step's action
+ACTION_SOURCES = ("expert", "explorer", "random", "fallback", "policy")  # who picked a step's action
 ORIGINS = ("offline", "synthetic", "real_online")  # where a transition came from: offline data, M_exp, a real env
 
 
@@ -43,7 +44,7 @@ class StepRecord:
   success: bool
   invalid: bool
   admissible: tuple[str, ...]  # admissible in `state`
-  source: str  # "expert" | "random" | "fallback" | "policy"
+  source: str  # "expert" | "explorer" | "random" | "fallback" | "policy"
 
   def to_json(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)

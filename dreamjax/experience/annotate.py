@@ -249,6 +249,8 @@ class RuleAnnotator:
     parts += self.rules.effects(s.state, s.next_state) or line_diff(s.state, s.next_state)
     if s.source == "expert":
       parts.append("The expert chose this action.")
+    elif s.source == "explorer":
+      parts.append("The exploring expert, which knows only what it has observed, chose this action.")
     if record.success and j < record.num_steps - 1:
       left = record.num_steps - 1 - j
       useful = "" if s.state != s.next_state else " (this one made no progress)"
