@@ -19,7 +19,7 @@ step compiles once. Pairs are shuffled per epoch by `(seed, epoch)`.
 Tracking as in policy SFT (`dreamjax.loop.track.Tracker`, `track`): config.json, a fresh metrics.jsonl per run,
 summary.json, W&B when `track.wandb` asks for it, and a progress bar over the update steps.
 
-Several processes (multi-host): as policy SFT (its docstring): `initialize(cfg.distributed)` first, the same program
+Several processes (multi-host): as policy SFT (its docstring): `start_run(cfg)` first, the same program
 on every process (the reference scorer's and the sampler's row-sharded outputs are gathered whole), process 0 alone
 writes the run folder, the final checkpoint after a gather every process takes part in.
 
@@ -39,13 +39,13 @@ import jax
 import numpy as np
 
 from dreamjax.data.records import read_trajectory_files
-from dreamjax.loop.config import RunConfig, check_settings, run_mesh
+from dreamjax.loop.config import RunConfig, check_settings, run_mesh, start_run
 from dreamjax.loop.evaluate import EvalConfig, Evaluator, evaluate_and_log, format_eval, training_tasks
 from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.model import load_model, save_model
 from dreamjax.loop.policy_data import PairConfig, PreferencePair, preference_pairs
 from dreamjax.loop.track import Tracker, echo, progress, to_json
-from dreamjax.parallel import TRAIN_RULES, initialize
+from dreamjax.parallel import TRAIN_RULES
 from dreamjax.rl.batch import TokenBatch, dpo_batch
 from dreamjax.rl.logprobs import LogpScorer, score_len_for
 from dreamjax.rl.objectives import make_objective
@@ -145,7 +145,7 @@ def with_reference(batch: TokenBatch, ref: dict[bytes, np.ndarray]) -> TokenBatc
 
 def run(cfg: DpoConfig, env=None) -> dict[str, Any]:
   """Trains DPO from the SFT checkpoint, evaluates, saves; returns the summary (also out_dir/summary.json)."""
-  initialize(cfg.distributed)  # before anything touches devices: after it, jax.devices() spans every process
+  start_run(cfg)  # before anything touches devices: joins the processes, points the compilation cache
   t_start = time.perf_counter()
   if not cfg.checkpoint or not (Path(cfg.checkpoint) / "config.json").is_file():
     raise ValueError(f"checkpoint: {cfg.checkpoint!r} is not an HF checkpoint folder (train one with policy SFT)")

@@ -55,11 +55,12 @@ from dreamjax.envs.registry import make_batch_env
 from dreamjax.experience.exp_model import exp_retriever, load_exp_model
 from dreamjax.experience.sft_data import annotations_for
 from dreamjax.experience.synthetic_env import SyntheticEnv, initial_states_from
+from dreamjax.loop.config import start_run
 from dreamjax.loop.dreamgym import DreamGymHook, PlacementConfig, make_meshes, seed_records
 from dreamjax.loop.learner import PolicyLearner, RLConfig, load_policy
 from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.run import Run, resuming, run_iterations
-from dreamjax.parallel import initialize, is_primary
+from dreamjax.parallel import is_primary
 from dreamjax.replay.write_back import open_replay, rebuild_retriever
 from dreamjax.rl.keys import PHASE_SYNTHETIC, phase_key
 from dreamjax.sampling import Sampler, SpeculativeConfig
@@ -102,7 +103,7 @@ class DreamGymConfig:
 def run(cfg: DreamGymConfig) -> dict[str, Any]:
   """The `dreamjax dreamgym` command: trains in the experience model (resuming from the latest checkpoint in
   `out_dir` when there is one), evaluates on the real env, writes the run folder; returns the summary."""
-  initialize(cfg.rl.distributed)  # before anything touches devices: after it, jax.devices() spans every process
+  start_run(cfg.rl)  # before anything touches devices: joins the processes, points the compilation cache
   with lock_run_folder(cfg.out_dir):  # a second run on the folder is refused before M_exp loads; `Run` re-enters it
     return resuming(lambda: _run(cfg))
 

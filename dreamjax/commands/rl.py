@@ -5,8 +5,8 @@ training pool (a fixed shuffle per pass, so the draw depends only on the seed an
 Real transitions: one per answer that parsed and was sent to the env; unparseable answers cost no env step. Only
 training rollouts count; evaluation episodes are reported separately. `max_real_transitions` is S2R's budget.
 
-Several processes (multi-host: TPU pods, multi-GPU hosts): `run` first calls `dreamjax.parallel.initialize(
-cfg.distributed)`, so the mesh spans every process's devices; every process then runs the same host program on the
+Several processes (multi-host: TPU pods, multi-GPU hosts): `run` first calls `dreamjax.loop.config.start_run(cfg)`
+(`dreamjax.parallel.initialize` and the compilation cache), so the mesh spans every process's devices; every process then runs the same host program on the
 same seeds and tasks, each stepping its own copy of the envs (text envs are cheap next to the model, and duplicated
 stepping keeps every process's prompts identical without host-to-host messages); process 0 alone writes the run folder.
 
@@ -21,17 +21,16 @@ from typing import Any
 from dreamjax.curriculum.source import UniformTasks
 from dreamjax.envs.base import BatchEnv
 from dreamjax.envs.registry import make_batch_env
-from dreamjax.loop.config import run_mesh
+from dreamjax.loop.config import run_mesh, start_run
 from dreamjax.loop.learner import PolicyLearner, RLConfig, load_policy
 from dreamjax.loop.run import Run, resuming, run_iterations
-from dreamjax.parallel import initialize
 
 
 def run(cfg: RLConfig, env: BatchEnv | None = None) -> dict[str, Any]:
   """Trains (resuming from the latest checkpoint in `out_dir` when there is one), evaluates, writes the run folder;
   returns the summary. `env` may be any BatchEnv taking `cfg.rows` rows (it is not closed here); by default one is
   made from the config."""
-  initialize(cfg.distributed)  # before anything touches devices: after it, jax.devices() spans every process
+  start_run(cfg)  # before anything touches devices: joins the processes, points the compilation cache
   return resuming(lambda: _run(cfg, env))
 
 

@@ -31,7 +31,7 @@ format without reasoning or tutorial trains on no annotation, and is let through
 Tracking (`dreamjax.loop.track.Tracker`, `track`): config.json, metrics.jsonl (fresh on every run), summary.json, and W&B
 when `track.wandb` is "online" or "offline"; a progress bar over the steps when stderr is a terminal.
 
-Several processes (multi-host): as policy SFT (its docstring): `initialize(cfg.distributed)` first, the same program
+Several processes (multi-host): as policy SFT (its docstring): `start_run(cfg)` first, the same program
 on every process (retrieval indexes are built per process from the same data; the scorer's and the decoder's
 row-sharded outputs are gathered whole), process 0 alone writes the run folder (config, metrics, summary, held-out
 predictions, the tiny init model, which the others load after a barrier, and the checkpoint with exp_model.json,
@@ -67,11 +67,10 @@ from dreamjax.experience.sft_data import (
     corpus,
     split_by_task,
 )
-from dreamjax.loop.config import RunConfig, run_mesh
+from dreamjax.loop.config import RunConfig, run_mesh, start_run
 from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.model import ModelSource, prepare_model, save_model
 from dreamjax.loop.track import Tracker, echo, json_dumps, progress, to_json
-from dreamjax.parallel import initialize
 from dreamjax.rl.batch import sft_batch
 from dreamjax.rl.logprobs import LogpScorer, score_len_for
 from dreamjax.rl.objectives import make_objective
@@ -205,7 +204,7 @@ def _evaluate(predictor: Predictor, scorer: LogpScorer, params: Any, held: list[
 
 def run(cfg: ExpSftConfig) -> dict[str, Any]:
   """Trains M_exp; returns the summary (also written to out_dir/summary.json)."""
-  initialize(cfg.distributed)  # before anything touches devices: after it, jax.devices() spans every process
+  start_run(cfg)  # before anything touches devices: joins the processes, points the compilation cache
   t0 = time.perf_counter()
   out = Path(cfg.out_dir)  # the tracker creates it (on process 0, the one writer)
   with lock_run_folder(out), Tracker(out, to_json(cfg), cfg.track) as tracker:  # one run per folder

@@ -23,7 +23,7 @@ the env's own held-out fold (`eval.split`), so none of them is in the demonstrat
 A tiny model is built in out_dir/init_model on the first run and reused by reruns in the same folder.
 
 Several processes (multi-host), as `dreamjax rl` (see its docstring): `run` first calls
-`dreamjax.parallel.initialize(cfg.distributed)`, every process runs the same program on the same data and seeds (each
+`dreamjax.loop.config.start_run(cfg)`, every process runs the same program on the same data and seeds (each
 evaluates on its own copy of the env; the sampler's rows are gathered whole), and process 0 alone writes the run
 folder: config, metrics, summary, the tiny init model (the others load it after a barrier) and the final checkpoint
 (after a gather of the parameters every process takes part in). The mesh must hold devices of every process, and
@@ -46,13 +46,12 @@ import numpy as np
 
 from dreamjax.data.records import read_trajectory_files
 from dreamjax.envs.base import BatchEnv
-from dreamjax.loop.config import RunConfig, check_settings, run_mesh
+from dreamjax.loop.config import RunConfig, check_settings, run_mesh, start_run
 from dreamjax.loop.evaluate import EvalConfig, Evaluator, evaluate_and_log, format_eval, training_tasks
 from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.model import ModelSource, prepare_model, save_model
 from dreamjax.loop.policy_data import RowConfig, TurnRow, policy_texts, sft_rows
 from dreamjax.loop.track import Tracker, echo, progress, to_json
-from dreamjax.parallel import initialize
 from dreamjax.rl.batch import sft_batch
 from dreamjax.rl.logprobs import score_len_for
 from dreamjax.rl.objectives import make_objective
@@ -107,7 +106,7 @@ def padded_length(rows: Sequence[TurnRow], pad_to: int) -> int:
 def run(cfg: PolicySftConfig, env: BatchEnv | None = None) -> dict[str, Any]:
   """Trains, evaluates and saves; returns the summary (also written to out_dir/summary.json). `env` (not closed
   here) replaces the evaluation env built from the config."""
-  initialize(cfg.distributed)  # before anything touches devices: after it, jax.devices() spans every process
+  start_run(cfg)  # before anything touches devices: joins the processes, points the compilation cache
   t_start = time.perf_counter()
   out = Path(cfg.out_dir)  # the tracker creates it (on process 0, the one writer)
   with lock_run_folder(out), Tracker(out, to_json(cfg), cfg.track) as tracker:  # one run per folder

@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 from dreamjax.loop.track import TrackConfig
-from dreamjax.parallel import DistributedConfig, MeshConfig, make_mesh, spans_every_process
+from dreamjax.parallel import DistributedConfig, MeshConfig, initialize, make_mesh, spans_every_process
+
+# Overrides RunConfig.compilation_cache "auto" for every run of a process tree (tests/conftest.py sets "off").
+CACHE_ENV = "DREAMJAX_COMPILATION_CACHE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +32,29 @@ class RunConfig:
   devices: int = 0
   track: TrackConfig = TrackConfig()
   distributed: DistributedConfig = DistributedConfig()  # multi-process runs (default: from the environment)
+  # JAX's persistent compilation cache, so a restarted or resumed run loads its compiled steps instead of compiling
+  # every layer again: "auto" is <out_dir>/compile_cache (or $DREAMJAX_COMPILATION_CACHE when set), "off" none, any
+  # other value a folder, which runs may share (JAX trusts what it finds there: share it only with yourself).
+  compilation_cache: str = "auto"
+
+
+def compilation_cache_dir(cfg: RunConfig) -> str | None:
+  """The folder `cfg.compilation_cache` names (see RunConfig), None when off."""
+  value = cfg.compilation_cache
+  if value == "auto":
+    value = os.environ.get(CACHE_ENV) or str(Path(cfg.out_dir) / "compile_cache")
+  return None if value == "off" else value
+
+
+def start_run(cfg: RunConfig) -> None:
+  """What every command does before anything touches devices: joins the multi-process run (after it, jax.devices()
+  spans every process) and points JAX's persistent compilation cache at the run's folder. JAX reads its cache
+  setting once per process, so a change (reproduce runs its stages in one process) resets it."""
+  initialize(cfg.distributed)
+  path = compilation_cache_dir(cfg)
+  if path != jax.config.jax_compilation_cache_dir:
+    compilation_cache.reset_cache()
+    compilation_cache.set_cache_dir(path)
 
 
 def run_mesh(cfg: RunConfig) -> jax.sharding.Mesh:
