@@ -9,7 +9,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("DREAMJAX_SKIP_PEERS", "1")  # benchmarks smoke-tested here never start the tunix peer
-# Runs write no compilation cache (tests/test_compilation_cache.py turns it on): file-listing tests compare run folders.
+# Runs write no compilation cache into their folders (file-listing tests compare run folders); fixtures that share
+# one across runs set JAX's own, which "off" leaves alone. tests/test_compilation_cache.py turns it on.
 os.environ.setdefault("DREAMJAX_COMPILATION_CACHE", "off")
 
 import pytest  # noqa: E402

@@ -276,6 +276,30 @@ def test_wandb_offline_writes_under_the_run_folder_and_resumes_the_same_run(tmp_
   assert list((tmp_path / "wandb" / "cache").rglob("core-debug-*.log"))
 
 
+# After the test above: that one checks where the wandb service (started once per process) keeps its logs.
+def test_wandb_runs_carry_group_job_type_and_the_code_commit(tmp_path):
+  pytest.importorskip("wandb")
+  from dreamjax.loop.track import git_commit
+
+  track = TrackConfig(wandb="offline", project="dreamjax-test", name="real_grpo-seed1", group="twx_tiny",
+                      job_type="rl")
+  with Tracker(tmp_path, {"lr": 0.1}, track) as tr:
+    run_id = tr.run_id
+  run_dir = next((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
+  deadline = time.monotonic() + 30
+  while True:  # wandb's service may still be writing the file after `finish` returns
+    runs = [r.run for r in _wandb_records(run_dir / f"run-{run_id}.wandb") if r.WhichOneof("record_type") == "run"]
+    if runs or time.monotonic() > deadline:
+      break
+    time.sleep(0.1)
+  run = runs[0]
+  assert (run.display_name, run.run_group, run.job_type) == ("real_grpo-seed1", "twx_tiny", "rl")
+  config = {i.key: json.loads(i.value_json) for i in run.config.update}
+  commit = git_commit()
+  assert commit and len(commit.split("+")[0]) == 40  # the tests run from a git checkout
+  assert config["git_commit"] == commit and config["lr"] == 0.1
+
+
 # The resume test: real TextWorld-Express, a tiny behaviour-cloned warm start, three runs of one config.
 
 @pytest.fixture(scope="module")

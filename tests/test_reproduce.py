@@ -3,6 +3,7 @@ is slow: `pytest -m slow tests/test_reproduce.py`): every stage runs and lands i
 scores every row on the same tasks, S2R stops at its real-transition budget, the table is written, and a rerun reuses
 every finished stage."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -46,6 +47,11 @@ def test_reproduce_runs_every_stage_writes_the_table_and_resumes(tmp_path, capsy
   s2r = json.loads((out / "s2r_grpo" / "seed0" / "summary.json").read_text())
   assert s2r["iterations"] == 1 and s2r["real_transitions"] >= 1
   assert s2r["initial"]["iteration"] == 0 and s2r["final"]["iteration"] == 1
+  # W&B names: the reproduce folder groups the stages, the command is the job type, method and seed the run.
+  for stage, job, name in (("sft", "train-policy", "sft"), ("real_grpo/seed0", "rl", "real_grpo-seed0"),
+                           ("s2r_grpo/seed0", "rl", "s2r_grpo-seed0")):
+    track = json.loads((out / stage / "config.json").read_text())["track"]
+    assert (track["group"], track["job_type"], track["name"]) == (out.name, job, name), stage
   dream = json.loads((out / "dreamgym_grpo" / "seed0" / "summary.json").read_text())
   assert Path(dream["checkpoint"]).is_dir()
   table = (out / "results.md").read_text()
@@ -177,3 +183,16 @@ def test_ppo_rows_take_the_ppo_configs_own_settings():
   assert default.critic.optim.lr == 1e-5 and default.algorithm == "ppo"
   with pytest.raises(ValueError, match="must be GRPO configs"):
     as_algorithm(dataclasses.replace(cfg.real, **{f: getattr(cfg.ppo, f) for f in ALGORITHM_FIELDS}), "ppo", cfg.ppo)
+
+
+def test_stage_runs_are_named_for_wandb_by_method_and_seed():
+  from dreamjax.commands.reproduce import tracked
+
+  cfg = load_config("configs/reproduce_twx.py:tiny")
+  rl = tracked(cfg.real, "twx_tiny", "rl", "real_grpo-seed1").track
+  assert (rl.group, rl.job_type, rl.name) == ("twx_tiny", "rl", "real_grpo-seed1")
+  dream = tracked(cfg.dreamgym, "twx_tiny", "dreamgym", "dreamgym_grpo-seed0")
+  assert (dream.rl.track.job_type, dream.rl.track.name) == ("dreamgym", "dreamgym_grpo-seed0")
+  named = dataclasses.replace(cfg.sft, track=dataclasses.replace(cfg.sft.track, name="mine", group="exp7"))
+  assert (tracked(named, "twx_tiny", "train-policy", "sft").track.name, tracked(named, "g", "j", "n").track.group) == \
+      ("mine", "exp7")  # what the config sets wins

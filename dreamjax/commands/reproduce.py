@@ -42,7 +42,7 @@ from dreamjax.loop.learner import RLConfig, TaskSpec, as_ppo
 from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.plots import success_bars
 from dreamjax.loop.results import ABLATIONS, ablation_method, budget_text
-from dreamjax.loop.track import json_dumps, to_json
+from dreamjax.loop.track import TrackConfig, json_dumps, to_json
 from dreamjax.rollout.agent import AgentFormat
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +164,17 @@ def as_algorithm(rl: RLConfig, algorithm: str, ppo: RLConfig | None) -> RLConfig
   return dataclasses.replace(rl, **{f: getattr(source, f) for f in ALGORITHM_FIELDS})
 
 
+def tracked(c: Any, group: str, job_type: str, name: str) -> Any:
+  """Stage config `c` named for W&B: the reproduce folder is the group, the command the job type, the method and seed
+  the run name ("real_grpo-seed1"); what the config already sets wins."""
+  def named(t: TrackConfig) -> TrackConfig:
+    return dataclasses.replace(t, group=t.group or group, job_type=t.job_type or job_type, name=t.name or name)
+
+  if isinstance(c, DreamGymConfig):
+    return dataclasses.replace(c, rl=dataclasses.replace(c.rl, track=named(c.rl.track)))
+  return dataclasses.replace(c, track=named(c.track))
+
+
 def _stage(folder: Path, marker: str, fn: Callable[[], Any]) -> dict[str, Any]:
   """Runs `fn` unless `folder/marker` exists (a finished earlier run); returns that file's contents."""
   path = folder / marker
@@ -197,11 +208,12 @@ def _reproduce(cfg: ReproduceConfig, out: Path) -> dict[str, Any]:
   n_sft, n_exp = offline(budgets.sft), offline(episodes=cfg.exp.max_episodes)
 
   def exp_model(name: str, **fmt) -> str:
-    exp = dataclasses.replace(cfg.exp, trajectories=(str(data),), out_dir=str(out / name),
-                              format=dataclasses.replace(cfg.exp.format, **fmt))
+    exp = tracked(dataclasses.replace(cfg.exp, trajectories=(str(data),), out_dir=str(out / name),
+                                      format=dataclasses.replace(cfg.exp.format, **fmt)), out.name, "train-exp", name)
     return _stage(out / name, "summary.json", lambda: train_exp.run(exp))["checkpoint"]
 
-  sft_cfg = dataclasses.replace(cfg.sft, data=(str(data),), data_transitions=budgets.sft, out_dir=str(out / "sft"))
+  sft_cfg = tracked(dataclasses.replace(cfg.sft, data=(str(data),), data_transitions=budgets.sft,
+                                       out_dir=str(out / "sft")), out.name, "train-policy", "sft")
   sft = _stage(out / "sft", "summary.json", lambda: train_policy.run(sft_cfg))["checkpoint"]
   rows: list[dict[str, Any]] = []
 
@@ -217,8 +229,8 @@ def _reproduce(cfg: ReproduceConfig, out: Path) -> dict[str, Any]:
           {"kind": "offline", "cap": budgets.sft or None, "spent": n_sft})
   if cfg.dpo is not None:
     n_dpo = offline(budgets.dpo)
-    dpo_cfg = dataclasses.replace(cfg.dpo, data=(str(data),), data_transitions=budgets.dpo, checkpoint=sft,
-                                  out_dir=str(out / "dpo"))
+    dpo_cfg = tracked(dataclasses.replace(cfg.dpo, data=(str(data),), data_transitions=budgets.dpo, checkpoint=sft,
+                                          out_dir=str(out / "dpo")), out.name, "dpo", "dpo")
     add_row("DPO", [(out / "dpo", _stage(out / "dpo", "summary.json", lambda: dpo.run(dpo_cfg)))],
             max(n_sft, n_dpo), {"kind": "offline", "cap": budgets.dpo or None, "spent": n_dpo})
 
@@ -227,6 +239,7 @@ def _reproduce(cfg: ReproduceConfig, out: Path) -> dict[str, Any]:
     for s in cfg.seeds:
       folder = out / name / f"seed{s}"
       c = make(s, folder)
+      c = tracked(c, out.name, "dreamgym" if isinstance(c, DreamGymConfig) else "rl", f"{name}-seed{s}")
       runs.append((folder, _stage(folder, "summary.json", lambda c=c: runner(c))))
     return runs
 

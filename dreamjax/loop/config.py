@@ -33,13 +33,14 @@ class RunConfig:
   track: TrackConfig = TrackConfig()
   distributed: DistributedConfig = DistributedConfig()  # multi-process runs (default: from the environment)
   # JAX's persistent compilation cache, so a restarted or resumed run loads its compiled steps instead of compiling
-  # every layer again: "auto" is <out_dir>/compile_cache (or $DREAMJAX_COMPILATION_CACHE when set), "off" none, any
-  # other value a folder, which runs may share (JAX trusts what it finds there: share it only with yourself).
+  # every layer again: "auto" is <out_dir>/compile_cache (or $DREAMJAX_COMPILATION_CACHE when set), "off" leaves
+  # JAX's own setting alone (none, unless JAX_COMPILATION_CACHE_DIR is set), any other value a folder, which runs may
+  # share (JAX trusts what it finds there: share it only with yourself).
   compilation_cache: str = "auto"
 
 
 def compilation_cache_dir(cfg: RunConfig) -> str | None:
-  """The folder `cfg.compilation_cache` names (see RunConfig), None when off."""
+  """The folder `cfg.compilation_cache` names (see RunConfig), None when off (JAX's own setting stands)."""
   value = cfg.compilation_cache
   if value == "auto":
     value = os.environ.get(CACHE_ENV) or str(Path(cfg.out_dir) / "compile_cache")
@@ -52,7 +53,7 @@ def start_run(cfg: RunConfig) -> None:
   setting once per process, so a change (reproduce runs its stages in one process) resets it."""
   initialize(cfg.distributed)
   path = compilation_cache_dir(cfg)
-  if path != jax.config.jax_compilation_cache_dir:
+  if path is not None and path != jax.config.jax_compilation_cache_dir:
     compilation_cache.reset_cache()
     compilation_cache.set_cache_dir(path)
 

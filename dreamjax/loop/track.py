@@ -39,6 +39,7 @@ import math
 import os
 import secrets
 import string
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -124,12 +125,29 @@ class TrackConfig:
   project: str = "dreamjax"
   entity: str = ""  # W&B team or user; empty: the default of the logged-in user
   name: str = ""  # W&B run name; empty: the run folder's name
+  group: str = ""  # W&B group: the experiment the run belongs to (`reproduce` sets its folder's name); empty: none
+  job_type: str = ""  # W&B job type: the stage (`reproduce` sets train-policy, rl, dreamgym, ...); empty: none
   tags: tuple[str, ...] = ()
   progress: bool = True  # tqdm bars (shown only when stderr is a terminal)
 
   def __post_init__(self):
     if self.wandb not in WANDB_MODES:
       raise ValueError(f"TrackConfig.wandb must be one of {WANDB_MODES}, got {self.wandb!r}")
+
+
+def git_commit() -> str | None:
+  """The commit of the dreamjax checkout this code runs from, with "+dirty" when it has uncommitted changes; None
+  outside a git checkout (an installed wheel). W&B records it in the run's config, so a table row names its code."""
+  here = Path(__file__).resolve().parent
+  try:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+    if head.returncode:
+      return None
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True,
+                           text=True, timeout=10)
+  except (OSError, subprocess.TimeoutExpired):
+    return None
+  return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def new_run_id() -> str:
@@ -232,9 +250,10 @@ class Tracker:
       settings = wandb.Settings(mode=track_cfg.wandb, silent=True, console="off", x_disable_stats=True)
       with _wandb_offline_env(root) if track_cfg.wandb == "offline" else contextlib.nullcontext():
         self._wandb = wandb.init(project=track_cfg.project, entity=track_cfg.entity or None,
-                                 name=track_cfg.name or self.out.name, tags=list(track_cfg.tags),
-                                 config=dict(cfg_json), dir=str(self.out), id=run_id, resume="allow",
-                                 settings=settings)
+                                 name=track_cfg.name or self.out.name, group=track_cfg.group or None,
+                                 job_type=track_cfg.job_type or None, tags=list(track_cfg.tags),
+                                 config=dict(cfg_json, git_commit=git_commit()), dir=str(self.out), id=run_id,
+                                 resume="allow", settings=settings)
     run_id = self._wandb.id if self._wandb is not None else (run_id or new_run_id())
     # Every process builds its tracker at the same point; they take process 0's id, so summaries and checkpoint
     # metadata agree whichever process reads them.
