@@ -122,8 +122,8 @@ def check_parity(args) -> dict:
   """pytest over `args.parity_tests` on this device; per-test outcomes from its JUnit XML."""
   with tempfile.TemporaryDirectory(prefix="accel_parity_") as tmp:
     xml = Path(tmp) / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-m", "not slow", f"--junitxml={xml}",
-           *args.parity_tests]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-m", "not slow",
+           f"--junitxml={xml}", *args.parity_tests]
     if len(jax.devices()) < 8:
       cmd += ["-k", "not mesh"]
     env = dict(os.environ, JAX_PLATFORMS=child_platform(), JAX_DEFAULT_MATMUL_PRECISION="highest")
@@ -138,9 +138,9 @@ def check_parity(args) -> dict:
         outcomes[name] = ("failed" if tags & {"failure", "error"} else "skipped" if "skipped" in tags else "passed")
   counts = {k: sum(v == k for v in outcomes.values()) for k in ("passed", "failed", "skipped")}
   tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
-  return dict(command=" ".join(c for c in cmd[1:] if not c.startswith("--junitxml")), platform=env["JAX_PLATFORMS"], returncode=proc.returncode, seconds=seconds,
-              **counts, failed_tests=[n for n, v in outcomes.items() if v == "failed"], summary=tail[0],
-              output_tail=(proc.stdout + proc.stderr)[-3000:] if proc.returncode else "")
+  return dict(command=" ".join(c for c in cmd[1:] if not c.startswith("--junitxml")), platform=env["JAX_PLATFORMS"],
+              returncode=proc.returncode, seconds=seconds, **counts,
+              failed_tests=[n for n, v in outcomes.items() if v == "failed"], summary=tail[0], output_tail=(proc.stdout + proc.stderr)[-3000:] if proc.returncode else "")
 
 
 def bandwidth(n: int, repeats: int) -> tuple[float, float]:
@@ -272,7 +272,8 @@ def render(report: dict) -> str:
     pub_f, pub_b = c["published_bf16_flop_s"], c["published_bandwidth_bytes_s"]
     out += ["## Ceilings", "", "| | measured | published |", "|---|---|---|",
             f"| memory bandwidth, GB/s (read {c['read_bytes_s'] / 1e9:.0f}, read + write "
-            f"{c['read_write_bytes_s'] / 1e9:.0f}) | {c['bandwidth_bytes_s'] / 1e9:.1f} | {_f(pub_b and pub_b / 1e9, '.0f')} |",
+            f"{c['read_write_bytes_s'] / 1e9:.0f}) | {c['bandwidth_bytes_s'] / 1e9:.1f} | "
+            f"{_f(pub_b and pub_b / 1e9, '.0f')} |",
             f"| bf16 matmul, TFLOP/s ({c['matmul_size']}^3) | {c['bf16_matmul_flop_s'] / 1e12:.3g} | "
             f"{_f(pub_f and pub_f / 1e12, '.0f')} |", ""]
   if rows := (report.get("decode") or {}).get("rows"):
@@ -280,9 +281,10 @@ def render(report: dict) -> str:
             "of roofline | of published roofline | weights GB | KV GB | prefill s | compile s |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+      published = r["published_roofline_tok_s"]
       out.append(f"| {r['arch']} | {r['batch']} | {r['prompt_len']} + {r['new_tokens']} | {r['decode_tok_s']:.0f} | "
                  f"{r['step_ms']:.2f} | {_f(r['roofline_tok_s'], '.0f')} | {_f(r['roofline_pct'], '.0f')}% | "
-                 f"{_f(r['published_roofline_tok_s'] and 100 * r['decode_tok_s'] / r['published_roofline_tok_s'], '.0f')}% | "
+                 f"{_f(published and 100 * r['decode_tok_s'] / published, '.0f')}% | "
                  f"{r['weight_bytes'] / 1e9:.2f} | {r['kv_bytes'] / 1e9:.2f} | {r['prefill_s']:.3f} | "
                  f"{r['compile_s']:.1f} |")
     out.append("")

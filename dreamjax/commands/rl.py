@@ -6,9 +6,10 @@ Real transitions: one per answer that parsed and was sent to the env; unparseabl
 training rollouts count; evaluation episodes are reported separately. `max_real_transitions` is S2R's budget.
 
 Several processes (multi-host: TPU pods, multi-GPU hosts): `run` first calls `dreamjax.loop.config.start_run(cfg)`
-(`dreamjax.parallel.initialize` and the compilation cache), so the mesh spans every process's devices; every process then runs the same host program on the
-same seeds and tasks, each stepping its own copy of the envs (text envs are cheap next to the model, and duplicated
-stepping keeps every process's prompts identical without host-to-host messages); process 0 alone writes the run folder.
+(`dreamjax.parallel.initialize`, then the compilation cache), so the mesh spans every process's devices; every
+process then runs the same host program on the same seeds and tasks, each stepping its own copy of the envs (text
+envs are cheap next to the model, and duplicated stepping keeps every process's prompts identical without
+host-to-host messages); process 0 alone writes the run folder.
 
   dreamjax rl --config configs/grpo_real_twx.py:tiny                                   # killed? rerun it to resume
   dreamjax rl --config configs/grpo_real_twx.py:tiny --set track.wandb=offline --set checkpoint_every=5

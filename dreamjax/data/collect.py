@@ -1,4 +1,5 @@
-"""The collector: expert, explorer, random and epsilon-noisy policies on a real env, episodes written to JSONL as they finish.
+"""The collector: expert, explorer, random and epsilon-noisy policies on a real env, episodes written to JSONL as
+they finish.
 
 Policies (by name):
 - "expert": the env's `expert_action()`; where it has none (TWX's gold path after a deviation, an exhausted path), a

@@ -5,7 +5,8 @@ JSON form (one object per JSONL line; keys sorted on write):
    "task": {Task.to_json()}, "instruction": "...", "policy": "expert" | "random" | "eps0.3", "seed": 123,
    "success": true, "num_steps": 7, "score": 1.0 | null,
    "steps": [{"state": "...", "action": "...", "next_state": "...", "reward": 0.0, "done": false, "success": false,
-              "invalid": false, "admissible": ["...", ...], "source": "expert" | "random" | "fallback"}, ...]}
+              "invalid": false, "admissible": ["...", ...],
+              "source": "expert" | "explorer" | "random" | "fallback" | "policy"}, ...]}
 `admissible` lists the actions admissible in `state` (before the action). `source` says who picked the action:
 the env's expert, the observation-only TWX explorer ("explorer", dreamjax.envs.twx_explorer), the random policy, the
 random policy standing in because the expert or explorer had no action ("fallback"), or the learning agent ("policy",

@@ -70,8 +70,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                  help="M_exp prompt width, prompts trimmed to fit (0: the longest recorded step with k neighbours)")
   g.add_argument("--episodes", type=int, default=8, help="expert episodes recorded for data and warm start")
   g.add_argument("--records", type=Path, default=None,
-                 help="read the episodes from this trajectories JSONL (`dreamjax collect` output; its first --episodes) "
-                      "instead of recording them with TextWorld-Express (for hosts without Java)")
+                 help="read the episodes from this trajectories JSONL (`dreamjax collect` output; its first "
+                      "--episodes) instead of recording them with TextWorld-Express (for hosts without Java)")
   g.add_argument("--warm-steps", type=int, default=None, help="warm-start SFT steps (default 80; 150 --small)")
   g.add_argument("--warm-rows", type=int, default=4, help="rows per warm-start step")
   g.add_argument("--warm-lr", type=float, default=3e-3)
