@@ -180,6 +180,12 @@ def _memory_tool():
   return module
 
 
+def _accelerator_check():
+  from tools import accelerator_check
+
+  return accelerator_check
+
+
 def _guide_blocks() -> list[str]:
   """The guide's shell commands: code-block lines with continuations joined and comments dropped."""
   lines = []
@@ -235,6 +241,9 @@ def test_guide_commands_run_as_written():
       if words[0] in ("tpu/tpu_run.sh", "tpu/gpu_ssh_run.sh", "tpu/gpu_slurm.sbatch"):
         assert words[1] in COMMANDS, line
       ran.add(words[0])
+    elif words[:2] == ["python", "tools/accelerator_check.py"]:
+      _accelerator_check().parse_args(words[2:])  # runs on an accelerator host; here its arguments must parse
+      ran.add("accelerator_check")
     elif words[:2] == ["python", "tools/memory_plan.py"]:
       plan, _ = _memory_tool().build_plan([str(ROOT / w) if w.startswith("configs/") else w for w in words[2:]])
       assert plan.peaks(), line
@@ -255,6 +264,6 @@ def test_guide_lists_the_commands_that_join_a_multi_process_run():
   for command, (_, target) in COMMANDS.items():
     module = target.split(":")[0]
     source = (ROOT / (module.replace(".", "/") + ".py")).read_text()
-    if re.search(r"^\s+initialize\(", source, re.M):
+    if re.search(r"^\s+(initialize|start_run)\(", source, re.M):  # start_run: loop/config.py, initialize first
       joined.add(command)
   assert {c.strip() for c in listed.group(1).split(",")} == joined
