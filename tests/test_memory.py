@@ -249,3 +249,32 @@ def test_tool_reads_a_checkpoint_folder_and_the_tiny_model(tmp_path, capsys):
   tiny_plan, _ = tool.build_plan(["--config", str(ROOT / "configs/grpo_real_twx.py"), "--devices", "1",
                                   "--set", "model.checkpoint="])
   assert tiny_plan.models[0][1].hidden_size == 128 and tiny_plan.sizes == ONE
+
+
+def test_export_holds_a_block_per_device_not_the_model():
+  """The HF export gathers leaf by leaf in blocks of rows (`export_program`, what `save_model` runs on arrays that
+  span processes): compiled on the fake mesh for every block of every leaf of an 8B model (two layers: every kind of
+  leaf), no program holds more per device than the planner's export line, which is a fraction of the largest leaf
+  (the whole-tree `to_host` replicated every leaf at once: the whole model)."""
+  from dreamjax.parallel.distributed import export_blocks, export_program
+
+  cfg = memory.published_config("llama-3.1-8b").replace(num_layers=2)
+  sizes = {"data": 1, "fsdp": 4, "tensor": 2}
+  mesh = make_mesh(MeshConfig(**sizes), jax.devices()[:8])
+  largest = max(spec.size for spec in memory.param_specs(cfg)) * 4
+  for dtype in ("float32", "bfloat16"):
+    planned = memory.export_bytes(cfg, None if dtype == "float32" else dtype)
+    assert planned < largest / 2, (dtype, planned, largest)
+    for spec in memory.param_specs(cfg):
+      sharding = named_sharding(spec.axes, spec.shape, mesh, TRAIN_RULES)
+      shard = memory.shard_elements(spec.axes, spec.shape, sizes, TRAIN_RULES)
+      leaf = jax.ShapeDtypeStruct(spec.shape, jnp.float32, sharding=sharding)
+      blocks = export_blocks(spec.shape, jnp.dtype(dtype))
+      assert blocks[0][0] == 0 and blocks[-1][1] == spec.shape[0]
+      assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+      for start, stop in {blocks[0], blocks[-1]}:  # the others compile like the first
+        analysis = export_program(sharding, jnp.dtype(dtype), start, stop).lower(leaf).compile().memory_analysis()
+        assert analysis.argument_size_in_bytes == shard * 4, spec.path  # it reads the resident shard, nothing more
+        held = analysis.output_size_in_bytes + analysis.temp_size_in_bytes
+        assert analysis.output_size_in_bytes == (stop - start) * math.prod(spec.shape[1:]) * jnp.dtype(dtype).itemsize
+        assert held <= planned, (spec.path, dtype, start, stop, held, planned)

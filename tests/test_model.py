@@ -161,3 +161,27 @@ def test_checkpoint_errors_name_the_tensor(tmp_path):
   (tmp_path / "model.safetensors").unlink()
   with pytest.raises(FileNotFoundError, match="no \\*.safetensors files"):
     load_hf_checkpoint(tmp_path)
+
+
+def test_export_gathers_sharded_leaves_in_blocks_and_casts(tmp_path, monkeypatch):
+  """The export's multi-process path (`gather_blocks`: rows in replicated blocks) on the 8-device mesh, with blocks
+  small enough that every leaf spans several: equal to the arrays; and a bfloat16 export of a sharded model saves
+  the bfloat16-rounded weights, says so in config.json, and loads back."""
+  from dreamjax.parallel import MeshConfig, make_mesh
+  from dreamjax.parallel import distributed
+
+  monkeypatch.setattr(distributed, "EXPORT_BLOCK_BYTES", 4096)
+  mesh = make_mesh(MeshConfig(fsdp=4, tensor=2), jax.devices()[:8])
+  cfg = tiny("llama", value_head=True)
+  params = init_params(cfg, jax.random.key(3), mesh=mesh)
+  flat = {"/".join(k.key for k in path): x for path, x in jax.tree_util.tree_leaves_with_path(params)}
+  for x in (flat["embed"], flat["layers_0/mlp/down"], flat["final_norm/scale"]):
+    assert x.ndim < 2 or len(distributed.export_blocks(x.shape, jnp.bfloat16)) > 1
+    np.testing.assert_array_equal(distributed.gather_blocks(x, jnp.float32), np.asarray(x))
+    np.testing.assert_array_equal(distributed.gather_blocks(x, jnp.bfloat16), np.asarray(x.astype(jnp.bfloat16)))
+  save_hf_checkpoint(params, cfg, tmp_path, dtype="bfloat16", max_shard_bytes=20_000)
+  assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+  assert (tmp_path / "model.safetensors.index.json").is_file()
+  _, reloaded = load_hf_checkpoint(tmp_path, value_head=True)
+  for a, b in zip(jax.tree.leaves(reloaded), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)).astype(np.float32))

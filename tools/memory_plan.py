@@ -1,5 +1,6 @@
 """Prints the per-device memory plan of an RL or DreamGym config: parameters, AdamW, gradients, reference, M_exp,
-KV caches, activations, and the peak of each phase of an iteration (dreamjax/plan/memory.py has the arithmetic).
+KV caches, activations, and the peak of each phase of an iteration and of the final HF export (dreamjax/plan/memory.py
+has the arithmetic).
 
 Model shapes come from each checkpoint folder's config.json when it exists here, from `--arch ROLE=NAME|FOLDER`
 otherwise (NAME: a published model written into dreamjax.plan.memory.PUBLISHED), and from `model.tiny` for a

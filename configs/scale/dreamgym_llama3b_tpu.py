@@ -57,6 +57,7 @@ tests/test_memory.py from this command:
   scoring forward (32 rows x 2560)                          0.82  score
   gradients (f32 accumulator + one in dtype)                0.75  update
   activations (1 rows/device x 2560, per micro-batch)       2.47  update
+  export: one block of a leaf gathered whole                0.37  export
   M_exp KV cache (128 rows x 3584 slots)                    1.75  exp_step
   M_exp prefill (128 rows x 3072)                           4.78  exp_step
   M_task KV cache (8 rows x 4352 slots)                     0.13  task_gen
@@ -66,6 +67,7 @@ tests/test_memory.py from this command:
   peak score                                                4.19
   peak update                                               6.59
   peak task_gen                                             3.90
+  peak export                                               3.74
   fits in 32 GiB per device (36% at the peak)
 """
 

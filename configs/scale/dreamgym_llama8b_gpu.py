@@ -58,6 +58,7 @@ tests/test_memory.py from this command:
   scoring forward (32 rows x 2560)                          2.20  score
   gradients (f32 accumulator + one in dtype)                3.74  update
   activations (2 rows/device x 2560, per micro-batch)       7.73  update
+  export: one block of a leaf gathered whole                0.38  export
   M_exp KV cache (128 rows x 3584 slots)                    3.50  exp_step
   M_exp prefill (128 rows x 3072)                           9.56  exp_step
   M_task KV cache (8 rows x 4352 slots)                     0.27  task_gen
@@ -67,6 +68,7 @@ tests/test_memory.py from this command:
   peak score                                               11.55
   peak update                                              20.82
   peak task_gen                                            10.42
+  peak export                                               9.73
   fits in 72 GiB per device (36% at the peak)
 """
 

@@ -58,6 +58,7 @@ tests/test_memory.py from this command:
   scoring forward (32 rows x 2560)                          1.89  score
   gradients (f32 accumulator + one in dtype)                3.55  update
   activations (2 rows/device x 2560, per micro-batch)       9.23  update
+  export: one block of a leaf gathered whole                0.37  export
   M_exp KV cache (128 rows x 3584 slots)                    3.50  exp_step
   M_exp prefill (128 rows x 3072)                           7.31  exp_step
   M_task KV cache (8 rows x 4352 slots)                     0.27  task_gen
@@ -67,6 +68,7 @@ tests/test_memory.py from this command:
   peak score                                               12.72
   peak update                                              23.61
   peak task_gen                                            11.71
+  peak export                                              11.21
   fits in 95 GiB per device (30% at the peak)
 """
 

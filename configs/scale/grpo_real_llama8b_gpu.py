@@ -40,9 +40,11 @@ tests/test_memory.py from this command:
   scoring forward (32 rows x 2560)                          3.98  score
   gradients (f32 accumulator + one in dtype)                7.48  update
   activations (2 rows/device x 2560, per micro-batch)       7.59  update
+  export: one block of a leaf gathered whole                0.38  export
   peak rollout                                             32.71
   peak score                                               18.95
   peak update                                              30.03
+  peak export                                              15.34
   fits in 72 GiB per device (45% at the peak)
 """
 

@@ -20,6 +20,7 @@ from dreamjax.parallel import DistributedConfig, MeshConfig, initialize, make_me
 
 # Overrides RunConfig.compilation_cache "auto" for every run of a process tree (tests/conftest.py sets "off").
 CACHE_ENV = "DREAMJAX_COMPILATION_CACHE"
+EXPORT_DTYPES = ("", "float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,9 @@ class RunConfig:
   # JAX's own setting alone (none, unless JAX_COMPILATION_CACHE_DIR is set), any other value a folder, which runs may
   # share (JAX trusts what it finds there: share it only with yourself).
   compilation_cache: str = "auto"
+  # The dtype of the trained model's HF export: "" keeps the parameters' own (exact: float32 weights stay float32);
+  # "bfloat16" halves the files and the bytes each leaf's gather moves, at bfloat16 rounding of the weights.
+  export_dtype: str = ""
 
 
 def compilation_cache_dir(cfg: RunConfig) -> str | None:
@@ -47,10 +51,18 @@ def compilation_cache_dir(cfg: RunConfig) -> str | None:
   return None if value == "off" else value
 
 
+def export_dtype(cfg: RunConfig) -> str | None:
+  """`cfg.export_dtype` as `save_model` takes it (None: the parameters' own), checked, naming the field."""
+  if cfg.export_dtype not in EXPORT_DTYPES:
+    raise ValueError(f"{type(cfg).__name__}.export_dtype must be one of {EXPORT_DTYPES}, got {cfg.export_dtype!r}")
+  return cfg.export_dtype or None
+
+
 def start_run(cfg: RunConfig) -> None:
   """What every command does before anything touches devices: joins the multi-process run (after it, jax.devices()
   spans every process) and points JAX's persistent compilation cache at the run's folder. JAX reads its cache
   setting once per process, so a change (reproduce runs its stages in one process) resets it."""
+  export_dtype(cfg)  # checked now, not after training
   initialize(cfg.distributed)
   path = compilation_cache_dir(cfg)
   if path is not None and path != jax.config.jax_compilation_cache_dir:

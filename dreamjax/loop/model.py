@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from dreamjax.models import ModelConfig, init_params, load_hf_checkpoint, save_hf_checkpoint, tiny
-from dreamjax.parallel import TRAIN_RULES, Rules, barrier, is_primary, to_host
+from dreamjax.parallel import TRAIN_RULES, Rules, barrier, is_primary
 from dreamjax.rl.train_state import nonfinite_leaves
 from dreamjax.text import Tokenizer, load_tokenizer, train_bpe_tokenizer
 from dreamjax.text.tokenizer import REQUIRED_FILES as TOKENIZER_FILES
@@ -110,15 +110,14 @@ def load_model(folder: str | Path, *, value_head: bool = False, mesh=None, rules
   return cfg, params, load_tokenizer(folder)
 
 
-def save_model(params: Any, cfg: ModelConfig, tokenizer_folder: str | Path, folder: str | Path) -> Path:
-  """Saves a trained model as an HF folder: gathered on every process (a collective every process must call),
-  written by process 0 alone."""
+def save_model(params: Any, cfg: ModelConfig, tokenizer_folder: str | Path, folder: str | Path,
+               dtype: str | None = None) -> Path:
+  """Saves a trained model as an HF folder, leaf by leaf in `dtype` (None: the parameters' own; see
+  `save_hf_checkpoint`): every process takes part in each leaf's gather (a collective), process 0 alone writes. No
+  device holds more than one leaf in full beyond its shards, so the export fits wherever training did."""
   folder = Path(folder)
-  bad = nonfinite_leaves(params)  # every process: a collective, like the gather below
+  bad = nonfinite_leaves(params)  # every process: a collective, like the gathers below
   if bad:
     raise ValueError(f"save_model ({folder}): refusing to export non-finite weights: {bad[0]!r} holds NaN or infinity"
                      + (f" (and {len(bad) - 1} more leaves)" if len(bad) > 1 else ""))
-  params = to_host(params)
-  if is_primary():
-    save_hf_checkpoint(params, cfg, folder, tokenizer_folder=tokenizer_folder)
-  return folder
+  return save_hf_checkpoint(params, cfg, folder, tokenizer_folder=tokenizer_folder, dtype=dtype, write=is_primary())

@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 
 from dreamjax.models.config import ModelConfig, load_hf_config, to_hf_config
 from dreamjax.models.params import abstract_params
+from dreamjax.parallel.distributed import leaf_to_host
 from dreamjax.parallel.sharding import TRAIN_RULES, Rules, tree_shardings
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
@@ -184,35 +185,52 @@ def _to_hf(value: np.ndarray, mp: _Map) -> np.ndarray:
 
 def save_hf_checkpoint(
     params, cfg: ModelConfig, folder: str | Path, tokenizer_folder: str | Path | None = None,
-    max_shard_bytes: int = 2**31,
+    max_shard_bytes: int = 2**31, dtype: str | None = None, write: bool = True,
 ) -> Path:
-  """Writes config.json, sharded safetensors with their index, and the tokenizer files, loadable by transformers."""
+  """Writes config.json, sharded safetensors with their index, and the tokenizer files, loadable by transformers.
+
+  Leaf by leaf: each parameter comes to the host alone (`leaf_to_host`, cast to `dtype` on its devices first; None
+  keeps the parameters' dtype) and at most one safetensors file's tensors are held at once, so neither a device nor
+  the host ever holds the whole model (files are planned from the shapes before anything moves). With several
+  processes every process calls this on the same tree (each leaf's fetch may be a collective) and only the one with
+  `write` writes files."""
   folder = Path(folder)
-  folder.mkdir(parents=True, exist_ok=True)
   flat = {"/".join(p.key for p in path): v for path, v in jax.tree_util.tree_leaves_with_path(params)}
-  tensors: dict[str, np.ndarray] = {}
-  for key, mp in _maps(cfg).items():
-    tensors[mp.hf_name] = _to_hf(np.asarray(jax.device_get(flat[key])), mp)
-  shards: list[dict[str, np.ndarray]] = [{}]
+  itemsize = {key: jnp.dtype(dtype or v.dtype).itemsize for key, v in flat.items()}
+  files: list[list[tuple[str, str, _Map]]] = [[]]  # per file: (HF name, our key, map), in the maps' order
   size = 0
-  for name, arr in tensors.items():
-    if size and size + arr.nbytes > max_shard_bytes:
-      shards.append({})
+  for key, mp in _maps(cfg).items():
+    nbytes = math.prod(mp.hf_shape) * itemsize[key]
+    if size and size + nbytes > max_shard_bytes:
+      files.append([])
       size = 0
-    shards[-1][name] = arr
-    size += arr.nbytes
-  weight_map = {}
-  for n, shard in enumerate(shards):
-    file = "model.safetensors" if len(shards) == 1 else f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
-    save_file(shard, folder / file, metadata={"format": "pt"})
-    weight_map.update({name: file for name in shard})
-  if len(shards) > 1:
-    total = sum(a.nbytes for a in tensors.values())
+    files[-1].append((mp.hf_name, key, mp))
+    size += nbytes
+  names = (["model.safetensors"] if len(files) == 1 else
+           [f"model-{n + 1:05d}-of-{len(files):05d}.safetensors" for n in range(len(files))])
+  if write:
+    folder.mkdir(parents=True, exist_ok=True)
+  total = 0
+  for name, entries in zip(names, files):
+    shard = {hf_name: _to_hf(leaf_to_host(flat[key], dtype), mp) for hf_name, key, mp in entries}
+    total += sum(a.nbytes for a in shard.values())
+    if write:
+      save_file(shard, folder / name, metadata={"format": "pt"})
+    del shard  # one file's tensors at a time on the host
+  if cfg.value_head:
+    head = leaf_to_host(flat["value_head"], dtype)
+    if write:
+      save_file({"value_head.weight": head}, folder / _VALUE_HEAD_FILE)
+  if not write:
+    return folder
+  if len(files) > 1:
+    weight_map = {hf_name: name for name, entries in zip(names, files) for hf_name, _, _ in entries}
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-  if cfg.value_head:
-    save_file({"value_head.weight": np.asarray(jax.device_get(flat["value_head"]))}, folder / _VALUE_HEAD_FILE)
-  (folder / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2))
+  hf_config = to_hf_config(cfg)
+  if dtype is not None:
+    hf_config["torch_dtype"] = str(jnp.dtype(dtype))  # what the files hold, which a loader may cast from
+  (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
   if tokenizer_folder is not None:
     for name in TOKENIZER_FILES:
       src = Path(tokenizer_folder) / name

@@ -6,6 +6,7 @@ from dreamjax.parallel.distributed import (
     check_same,
     initialize,
     is_primary,
+    leaf_to_host,
     spans_every_process,
     to_devices,
     to_host,
@@ -23,6 +24,6 @@ from dreamjax.parallel.sharding import (
 
 __all__ = [
     "AXES", "DistributedConfig", "MeshConfig", "make_mesh", "SAMPLE_RULES", "TRAIN_RULES", "Rules", "barrier",
-    "check_same", "constrain", "initialize", "is_primary", "logical_to_spec", "named_sharding", "spans_every_process", "to_devices",
+    "check_same", "constrain", "initialize", "is_primary", "leaf_to_host", "logical_to_spec", "named_sharding", "spans_every_process", "to_devices",
     "to_host", "tree_shardings",
 ]

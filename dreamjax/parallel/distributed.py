@@ -28,7 +28,7 @@ num_processes`, an unparseable variable) are errors that name the field or varia
 
 After initialisation `jax.devices()` lists every process's devices, so a mesh built from it spans the whole cluster.
 Arrays sharded over it are not fully addressable from any one process: `to_host` fetches them (a collective that
-every process must call, in the same order), `to_devices` places host arrays that every process holds alike,
+every process must call, in the same order; `leaf_to_host` one leaf at a time, as a model export must), `to_devices` places host arrays that every process holds alike,
 `check_same` verifies cheaply that they do, `is_primary` picks the one writer of files, `barrier` orders a write
 before other processes read it.
 """
@@ -36,12 +36,15 @@ before other processes read it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 MODES = ("auto", "on", "off")
@@ -285,6 +288,74 @@ def to_host(tree: Any) -> Any:
       leaves[i] = x.addressable_data(0)
   return jax.tree.unflatten(treedef, [np.asarray(x) if isinstance(x, jax.Array) else x
                                       for x in jax.device_get(leaves)])
+
+
+# Rows of a leaf gathered per step of an export (`leaf_to_host`): at most this many bytes in the export dtype, so a
+# device holds about three blocks (XLA's temporaries included, measured on CPU), not the leaf: an 8B model's
+# float32 embedding is 2 GiB.
+EXPORT_BLOCK_BYTES = 1 << 27
+
+
+def export_blocks(shape: tuple[int, ...], dtype: Any) -> list[tuple[int, int]]:
+  """The (start, stop) row ranges along the first axis that `leaf_to_host` gathers one at a time."""
+  if not shape:
+    return [(0, 0)]
+  row = math.prod(shape[1:]) * jnp.dtype(dtype).itemsize
+  step = max(1, EXPORT_BLOCK_BYTES // max(1, row))
+  return [(start, min(start + step, shape[0])) for start in range(0, shape[0], step)]
+
+
+@functools.lru_cache(maxsize=256)  # one jitted function per block and layout: jit caches per function object
+def export_program(sharding: jax.sharding.Sharding, dtype: Any, start: int, stop: int) -> Any:
+  """The jitted program `leaf_to_host` runs, per block, on an array that spans other processes: rows [start, stop)
+  cast to `dtype` and replicated on every device, so this process can read them. The bounds are static: a dynamic
+  slice of a sharded axis made XLA gather the whole axis first. An export of 32 alike layers compiles each block of
+  each kind of leaf once. Exposed so tests/test_memory.py can compile it on the fake mesh and read its bytes."""
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  if not isinstance(sharding, NamedSharding):
+    raise TypeError(f"export_program: a {type(sharding).__name__}; only NamedSharding arrays spanning several "
+                    f"processes can be gathered")
+  return jax.jit(functools.partial(_rows, start=start, stop=stop, dtype=dtype),
+                 out_shardings=sharding.update(spec=PartitionSpec()))
+
+
+def _rows(x: jax.Array, start: int, stop: int, dtype: Any) -> jax.Array:
+  return (x[start:stop] if x.ndim else x).astype(dtype)
+
+
+_cast_in_place = jax.jit(lambda x, dtype: x.astype(dtype), static_argnames="dtype")  # keeps x's sharding
+
+
+def leaf_to_host(x: Any, dtype: Any = None) -> np.ndarray:
+  """One array whole as a NumPy array, cast to `dtype` first (None: its own) on its devices, so a bfloat16 export
+  moves half the bytes. The whole-tree `to_host` replicates every leaf on every device at once (a float32 8B model
+  does not fit a 32 GiB chip beside its training state); a model export goes leaf by leaf with this. An array that
+  spans other processes comes over in blocks of rows (`export_blocks`, `export_program`), each a collective: every
+  process calls this on the same leaves in the same order. Otherwise the host assembles the shards and no device
+  holds more than its own shard (and its cast)."""
+  if not isinstance(x, jax.Array):
+    out = np.asarray(x)
+    return out if dtype is None else out.astype(dtype)
+  dtype = x.dtype if dtype is None else jnp.dtype(dtype)
+  if x.is_fully_addressable or x.is_fully_replicated:
+    if x.dtype != dtype:
+      x = _cast_in_place(x, dtype=dtype)
+    return np.asarray(jax.device_get(x if x.is_fully_addressable else x.addressable_data(0)))
+  return gather_blocks(x, dtype)
+
+
+def gather_blocks(x: jax.Array, dtype: Any) -> np.ndarray:
+  """`x` whole on the host in `dtype`, fetched block by block through replicated copies (`export_program`): the path
+  `leaf_to_host` takes for arrays spanning processes, callable on any NamedSharding array so one process can test it."""
+  out = np.empty(x.shape, dtype)
+  for start, stop in export_blocks(x.shape, dtype):
+    block = np.asarray(export_program(x.sharding, dtype, start, stop)(x).addressable_data(0))
+    if x.ndim:
+      out[start:stop] = block
+    else:
+      out[...] = block
+  return out
 
 
 def spans_every_process(mesh: jax.sharding.Mesh, what: str) -> jax.sharding.Mesh:

@@ -20,7 +20,9 @@ What the loops keep on a device, and in which layout (read from dreamjax/rl and 
   fsdp this is a second, larger copy; with fsdp = 1 the layouts agree and no copy is made);
 - M_exp (DreamGym): loaded once in the SAMPLE_RULES layout, resident for the whole run;
 - KV caches, allocated inside each sampler call: layers x 2 x kv_heads x head_dim x slots per row in the compute
-  dtype, rows over (data, fsdp) and kv heads over tensor where they divide.
+  dtype, rows over (data, fsdp) and kv heads over tensor where they divide;
+- the final HF export (`save_model`), after training with the training state still resident: one block of one
+  leaf's rows at a time gathered whole on every device, in the export dtype (`export_bytes`).
 
 Activations are an estimate, documented here so it can be checked: per token and layer the backward pass needs the
 inputs and outputs of both RMSNorms (4 E), post-RoPE q and k and v ((H + 2 K) D), the attention output (H D), gate,
@@ -65,6 +67,7 @@ from jax.sharding import AbstractMesh
 
 from dreamjax.models.config import ModelConfig, from_hf_config
 from dreamjax.models.params import abstract_params
+from dreamjax.parallel.distributed import export_blocks
 from dreamjax.parallel.mesh import AXES, MeshConfig
 from dreamjax.parallel.sharding import SAMPLE_RULES, TRAIN_RULES, Rules, logical_to_spec
 from dreamjax.rl.logprobs import MAX_LOGITS
@@ -108,9 +111,10 @@ PUBLISHED_SIZES = {"llama-3.2-1b": 1.24e9, "llama-3.2-3b": 3.21e9, "llama-3.1-8b
 # without importing it. An RL config (`plan_rl`, and `rl` of a DreamGym config): `rows` the rollout rows per
 # iteration, `rows_per_step` / `micro_batches` the update's rows and gradient accumulation, `pad_to` the row-length
 # rounding, `score_batch` the scoring pass's rows, `rollout.prompt_buckets` (the last one is the widest prompt) and
-# `rollout.max_action_tokens` the sampler's shape, `objective.kl_coef` whether a reference model is kept.
+# `rollout.max_action_tokens` the sampler's shape, `objective.kl_coef` whether a reference model is kept,
+# `export_dtype` the dtype of the final HF export ("": the parameters' own).
 RL_FIELDS = ("rows", "rows_per_step", "micro_batches", "pad_to", "score_batch", "rollout.prompt_buckets",
-             "rollout.max_action_tokens", "objective.kl_coef")
+             "rollout.max_action_tokens", "objective.kl_coef", "export_dtype")
 # A DreamGym config (`plan_dreamgym`): `rl` as above, M_exp's widest prompt and answer budget, and the curriculum's
 # task-generation settings (whether and how many seeds M_task writes variants of, its prompt buckets and budget).
 DREAMGYM_FIELDS = ("rl", "exp_prompt_buckets", "exp_max_new_tokens", "curriculum.enabled", "curriculum.generate_every",
@@ -239,6 +243,20 @@ def param_bytes(cfg: ModelConfig, sizes: Mapping[str, int], rules: Rules, dtype:
   """Bytes of one device's parameter shards (in `dtype`, default each parameter's own, the config's param_dtype)."""
   return sum(shard_elements(s.axes, s.shape, sizes, rules) * (DTYPE_BYTES[dtype] if dtype else s.itemsize)
              for s in param_specs(cfg))
+
+
+def export_bytes(cfg: ModelConfig, dtype: str | None = None) -> int:
+  """Per-device bytes of the HF export beyond the resident state (`save_model`, leaf by leaf): in a multi-process run
+  each leaf comes over in blocks of rows replicated on every device (`dreamjax.parallel.distributed.export_blocks`),
+  counted as three copies of the largest block in the wider of the parameters' and the export's dtype (XLA on CPU
+  kept up to two beside the output; tests/test_memory.py compiles every block of an 8B model). In one process the
+  host assembles the shards and this is an upper bound."""
+  def block(s: ParamSpec) -> int:
+    start, stop = export_blocks(s.shape, dtype or s.dtype)[0]
+    width = max(s.itemsize, DTYPE_BYTES[dtype] if dtype else 0)
+    return 3 * (stop - start if s.shape else 1) * math.prod(s.shape[1:]) * width
+
+  return max(block(s) for s in param_specs(cfg))
 
 
 def same_layout(cfg: ModelConfig, sizes: Mapping[str, int], a: Rules, b: Rules) -> bool:
@@ -417,6 +435,8 @@ def _learner_lines(rl: Any, policy: ModelConfig, sizes: Mapping[str, int],
       Line("gradients (f32 accumulator + one in dtype)", elements * 4 + p_train, ("update",)),
       Line(f"activations ({local_rows(micro_rows, sizes, TRAIN_RULES)} rows/device x {length}, per micro-batch)",
            activation_bytes(policy, micro_rows, length, sizes, TRAIN_RULES), ("update",)),
+      Line("export: one block of a leaf gathered whole", export_bytes(policy, rl.export_dtype or None),
+           ("export",)),
   ]
   return resident, transient
 
@@ -428,7 +448,7 @@ def plan_rl(rl: Any, policy: ModelConfig, sizes: Mapping[str, int], title: str =
   _check_rows(rl, sizes)
   resident, transient = _learner_lines(rl, policy, sizes, ("rollout",))
   return MemoryPlan(title, dict(sizes), (("policy", policy),), tuple(resident + transient),
-                    ("rollout", "score", "update"))
+                    ("rollout", "score", "update", "export"))
 
 
 def plan_dreamgym(cfg: Any, policy: ModelConfig, exp: ModelConfig, sizes: Mapping[str, int],
@@ -466,7 +486,8 @@ def plan_dreamgym(cfg: Any, policy: ModelConfig, exp: ModelConfig, sizes: Mappin
              ("task_gen",)),
     ]
     phases += ("task_gen",)
-  return MemoryPlan(title, dict(sizes), (("policy", policy), ("M_exp", exp)), tuple(resident + transient), phases)
+  return MemoryPlan(title, dict(sizes), (("policy", policy), ("M_exp", exp)), tuple(resident + transient),
+                    phases + ("export",))
 
 
 def _check_rows(rl: Any, sizes: Mapping[str, int]) -> None:
