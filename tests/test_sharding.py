@@ -86,3 +86,30 @@ def test_checkpoint_loads_straight_into_shards(mesh, hf_tiny):
     np.testing.assert_array_equal(a, b)
   q = sharded["layers_1"]["attn"]["q"]
   assert q.addressable_shards[0].data.shape == (cfg.hidden_size // 2, cfg.num_heads // 2, cfg.head_dim)
+
+
+def test_a_dropped_axis_warns_with_its_memory_cost(tmp_path):
+  """2 KV heads on tensor=4: k and v of each layer stay whole over tensor. The warning counts them and the bytes
+  per device beyond a layout that split them; the memory plan prints the same line."""
+  from jax.sharding import AbstractMesh
+
+  from dreamjax.models import abstract_params
+  from dreamjax.parallel.sharding import ShardingWarning, dropped_axes
+  from dreamjax.plan import memory
+
+  cfg = tiny("llama")  # 4 heads, 2 KV heads, 2 layers
+  mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=4))
+  with pytest.warns(ShardingWarning, match=r"mesh axis tensor=4 does not divide kv_heads=2: 4 parameter arrays"):
+    param_shardings(cfg, mesh, TRAIN_RULES)
+  (d,) = dropped_axes(abstract_params(cfg), mesh, TRAIN_RULES)
+  kv = cfg.hidden_size * cfg.num_kv_heads * cfg.head_dim  # elements of one k (or v) kernel
+  assert (d.axis, d.size, d.dims, d.leaves) == ("tensor", 4, ("kv_heads=2",), 2 * cfg.num_layers)
+  # Each is split over fsdp only: a quarter of it would stay per device if tensor divided.
+  assert d.extra_bytes == 2 * cfg.num_layers * (kv // 2) * 4 * 3 // 4
+  assert not dropped_axes(abstract_params(cfg), make_mesh(MeshConfig(data=4, fsdp=1, tensor=2)), TRAIN_RULES)
+  qwen = memory.published_config("qwen2.5-7b")
+  sizes = {"data": 1, "fsdp": 4, "tensor": 8}
+  (d,) = dropped_axes(abstract_params(qwen), AbstractMesh((1, 4, 8), ("data", "fsdp", "tensor")), TRAIN_RULES)
+  assert d.dims == ("heads=28", "kv_heads=4") and d.extra_bytes > 0.5 * 2**30
+  note = memory._dropped("policy", qwen, sizes, memory.POLICY_LAYOUTS)[0]
+  assert note == f"policy (train layout): {d}"

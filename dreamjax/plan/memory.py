@@ -69,10 +69,11 @@ from dreamjax.models.config import ModelConfig, from_hf_config
 from dreamjax.models.params import abstract_params
 from dreamjax.parallel.distributed import export_blocks
 from dreamjax.parallel.mesh import AXES, MeshConfig
-from dreamjax.parallel.sharding import SAMPLE_RULES, TRAIN_RULES, Rules, logical_to_spec
+from dreamjax.parallel.sharding import SAMPLE_RULES, TRAIN_RULES, Rules, dropped_axes, logical_to_spec
 from dreamjax.rl.logprobs import MAX_LOGITS
 
 GIB = 1 << 30
+POLICY_LAYOUTS = {"train": TRAIN_RULES, "sampling": SAMPLE_RULES}  # the layouts a policy's weights live in
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # Published HF config.json values (the fields our ModelConfig reads), written in so nothing is downloaded; the sizes
@@ -382,6 +383,8 @@ class MemoryPlan:
   models: tuple[tuple[str, ModelConfig], ...]  # (role, config)
   lines: tuple[Line, ...]
   phases: tuple[str, ...]
+  # Mesh axes some parameters could not be split over, and what that costs (`dropped_axes`), per model and layout.
+  notes: tuple[str, ...] = ()
 
   def peak(self, phase: str) -> int:
     return sum(line.bytes for line in self.lines if not line.phases or phase in line.phases)
@@ -402,6 +405,7 @@ class MemoryPlan:
       rows.append(f"{line.name:<52}{line.bytes / GIB:>10.2f}  {where}")
     for phase, value in self.peaks().items():
       rows.append(f"{'peak ' + phase:<52}{value / GIB:>10.2f}")
+    rows += [f"warning: {note}" for note in self.notes]
     if hbm_gib:
       worst = max(self.peaks().values()) / GIB
       verdict = "fits" if worst <= hbm_gib else "DOES NOT FIT"
@@ -448,7 +452,7 @@ def plan_rl(rl: Any, policy: ModelConfig, sizes: Mapping[str, int], title: str =
   _check_rows(rl, sizes)
   resident, transient = _learner_lines(rl, policy, sizes, ("rollout",))
   return MemoryPlan(title, dict(sizes), (("policy", policy),), tuple(resident + transient),
-                    ("rollout", "score", "update", "export"))
+                    ("rollout", "score", "update", "export"), _dropped("policy", policy, sizes, POLICY_LAYOUTS))
 
 
 def plan_dreamgym(cfg: Any, policy: ModelConfig, exp: ModelConfig, sizes: Mapping[str, int],
@@ -486,8 +490,14 @@ def plan_dreamgym(cfg: Any, policy: ModelConfig, exp: ModelConfig, sizes: Mappin
              ("task_gen",)),
     ]
     phases += ("task_gen",)
+  notes = _dropped("policy", policy, sizes, POLICY_LAYOUTS) + _dropped("M_exp", exp, sizes, {"sampling": SAMPLE_RULES})
   return MemoryPlan(title, dict(sizes), (("policy", policy), ("M_exp", exp)), tuple(resident + transient),
-                    phases + ("export",))
+                    phases + ("export",), notes)
+
+
+def _dropped(role: str, cfg: ModelConfig, sizes: Mapping[str, int], layouts: Mapping[str, Rules]) -> tuple[str, ...]:
+  return tuple(f"{role} ({name} layout): {d}" for name, rules in layouts.items()
+               for d in dropped_axes(abstract_params(cfg), _mesh(sizes), rules))
 
 
 def _check_rows(rl: Any, sizes: Mapping[str, int]) -> None:
