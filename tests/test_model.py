@@ -185,3 +185,23 @@ def test_export_gathers_sharded_leaves_in_blocks_and_casts(tmp_path, monkeypatch
   _, reloaded = load_hf_checkpoint(tmp_path, value_head=True)
   for a, b in zip(jax.tree.leaves(reloaded), jax.tree.leaves(params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)).astype(np.float32))
+
+
+def test_compute_dtype_copy_gives_the_same_outputs_bit_for_bit():
+  """The frozen reference and the sampler's copy are `in_compute_dtype` casts: with bfloat16 compute the model's
+  logits and values from them equal those from the float32 weights bit for bit (the model casts each weight where it
+  reads it), the value head stays float32, and the copy is new buffers (the train step donates the originals)."""
+  from dreamjax.models.params import in_compute_dtype
+
+  cfg = tiny("qwen2", value_head=True, dtype="bfloat16")
+  params = init_params(cfg, jax.random.key(0))
+  params["value_head"] = jax.random.normal(jax.random.key(1), params["value_head"].shape)
+  copy = in_compute_dtype(params, cfg)
+  dtypes = {jax.tree_util.keystr(p, simple=True, separator="/"): x.dtype
+            for p, x in jax.tree_util.tree_leaves_with_path(copy)}
+  assert dtypes.pop("value_head") == jnp.float32 and set(dtypes.values()) == {jnp.dtype(jnp.bfloat16)}
+  full, cast = forward(cfg, params), forward(cfg, copy)
+  np.testing.assert_array_equal(np.asarray(cast.logits), np.asarray(full.logits))
+  np.testing.assert_array_equal(np.asarray(cast.values), np.asarray(full.values))
+  same = in_compute_dtype(params, cfg.replace(dtype="float32"))  # float32 compute: a plain copy
+  assert all(a.dtype == b.dtype and a is not b for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(params)))

@@ -49,9 +49,9 @@ tests/test_memory.py from this command:
   component                                           GiB/device  live in
   policy params (train layout)                              0.37  all
   AdamW moments (2 x params dtype)                          0.75  all
-  reference params (train layout)                           0.37  all
+  reference params (train layout, bfloat16)                 0.19  all
   M_exp params (sampling layout)                            1.87  all
-  policy params re-laid out for sampling                    1.50  rollout,exp_step
+  policy params for sampling (bfloat16)                     0.75  rollout,exp_step
   policy KV cache (128 rows x 2560 slots)                   1.09  rollout
   policy prefill (128 rows x 2048)                          2.31  rollout
   scoring forward (32 rows x 2560)                          0.82  score
@@ -62,13 +62,13 @@ tests/test_memory.py from this command:
   M_exp prefill (128 rows x 3072)                           4.78  exp_step
   M_task KV cache (8 rows x 4352 slots)                     0.13  task_gen
   M_task prefill (8 rows x 4096)                            0.40  task_gen
-  peak rollout                                              8.27
-  peak exp_step                                            11.40
-  peak score                                                4.19
-  peak update                                               6.59
-  peak task_gen                                             3.90
-  peak export                                               3.74
-  fits in 32 GiB per device (36% at the peak)
+  peak rollout                                              7.34
+  peak exp_step                                            10.46
+  peak score                                                4.00
+  peak update                                               6.40
+  peak task_gen                                             3.71
+  peak export                                               3.56
+  fits in 32 GiB per device (33% at the peak)
 """
 
 import dataclasses

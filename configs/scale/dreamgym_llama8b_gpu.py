@@ -50,9 +50,9 @@ tests/test_memory.py from this command:
   component                                           GiB/device  live in
   policy params (train layout)                              1.87  all
   AdamW moments (2 x params dtype)                          3.74  all
-  reference params (train layout)                           1.87  all
+  reference params (train layout, bfloat16)                 0.94  all
   M_exp params (sampling layout)                            1.87  all
-  policy params re-laid out for sampling                    3.74  rollout,exp_step
+  policy params for sampling (bfloat16)                     1.87  rollout,exp_step
   policy KV cache (128 rows x 2560 slots)                   2.50  rollout
   policy prefill (128 rows x 2048)                          6.38  rollout
   scoring forward (32 rows x 2560)                          2.20  score
@@ -63,13 +63,13 @@ tests/test_memory.py from this command:
   M_exp prefill (128 rows x 3072)                           9.56  exp_step
   M_task KV cache (8 rows x 4352 slots)                     0.27  task_gen
   M_task prefill (8 rows x 4096)                            0.80  task_gen
-  peak rollout                                             21.97
-  peak exp_step                                            26.16
-  peak score                                               11.55
-  peak update                                              20.82
-  peak task_gen                                            10.42
-  peak export                                               9.73
-  fits in 72 GiB per device (36% at the peak)
+  peak rollout                                             19.16
+  peak exp_step                                            23.35
+  peak score                                               10.61
+  peak update                                              19.89
+  peak task_gen                                             9.48
+  peak export                                               8.79
+  fits in 72 GiB per device (32% at the peak)
 """
 
 import dataclasses

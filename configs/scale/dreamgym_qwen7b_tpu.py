@@ -50,9 +50,9 @@ tests/test_memory.py from this command:
   component                                           GiB/device  live in
   policy params (train layout)                              1.77  all
   AdamW moments (2 x params dtype)                          3.55  all
-  reference params (train layout)                           1.77  all
+  reference params (train layout, bfloat16)                 0.89  all
   M_exp params (sampling layout)                            3.74  all
-  policy params re-laid out for sampling                    7.09  rollout,exp_step
+  policy params for sampling (bfloat16)                     3.55  rollout,exp_step
   policy KV cache (128 rows x 2560 slots)                   1.09  rollout
   policy prefill (128 rows x 2048)                          4.66  rollout
   scoring forward (32 rows x 2560)                          1.89  score
@@ -63,13 +63,13 @@ tests/test_memory.py from this command:
   M_exp prefill (128 rows x 3072)                           7.31  exp_step
   M_task KV cache (8 rows x 4352 slots)                     0.27  task_gen
   M_task prefill (8 rows x 4096)                            0.61  task_gen
-  peak rollout                                             23.68
-  peak exp_step                                            28.74
-  peak score                                               12.72
-  peak update                                              23.61
-  peak task_gen                                            11.71
-  peak export                                              11.21
-  fits in 95 GiB per device (30% at the peak)
+  peak rollout                                             19.25
+  peak exp_step                                            24.31
+  peak score                                               11.84
+  peak update                                              22.73
+  peak task_gen                                            10.82
+  peak export                                              10.32
+  fits in 95 GiB per device (26% at the peak)
 """
 
 import dataclasses

@@ -16,11 +16,12 @@ Tiny (CPU; see configs/grpo_real_twx.py):
        dreamjax rl --config configs/scale/grpo_real_llama8b_gpu.py:tiny
 
 Why this layout: one process drives all 8 GPUs; tensor = 8 (NVLink) divides the 32 query and 8 KV heads, and with
-fsdp = 1 the training and sampling layouts coincide, so rollouts sample from the trained weights in place (no
-re-laid-out copy). Every device then holds all 128 rollout rows, whose prefill (float32 scores in blocks of 512
-queries) is the rollout's largest temporary; the update runs two rows per micro-batch. The policy computes in
-bfloat16 (model.dtype) over float32 weights, which AdamW needs: its steps of lr ~1e-6 would round away in bfloat16
-weights. "h100" below is 90% of 80 GB, the share tpu/gpu_*.sh give XLA.
+fsdp = 1 the training and sampling layouts coincide, so the sampler's copy of the weights is only their bfloat16
+cast (half the bytes per decoded token; the frozen reference is kept in bfloat16 too). Every device then holds all
+128 rollout rows, whose prefill (float32 scores in blocks of 512 queries) is the rollout's largest temporary; the
+update runs two rows per micro-batch. The policy computes in bfloat16 (model.dtype) over float32 weights, which AdamW
+needs: its steps of lr ~1e-6 would round away in bfloat16 weights. "h100" below is 90% of 80 GB, the share
+tpu/gpu_*.sh give XLA.
 
 Memory per device (estimates; dreamjax/plan/memory.py says what each line counts), recomputed by
 tests/test_memory.py from this command:
@@ -33,8 +34,8 @@ tests/test_memory.py from this command:
   component                                           GiB/device  live in
   policy params (train layout)                              3.74  all
   AdamW moments (2 x params dtype)                          7.48  all
-  reference params (train layout)                           3.74  all
-  policy params re-laid out for sampling                    0.00  rollout
+  reference params (train layout, bfloat16)                 1.87  all
+  policy params for sampling (bfloat16)                     1.87  rollout
   policy KV cache (128 rows x 2560 slots)                   5.00  rollout
   policy prefill (128 rows x 2048)                         12.75  rollout
   scoring forward (32 rows x 2560)                          3.98  score
@@ -42,9 +43,9 @@ tests/test_memory.py from this command:
   activations (2 rows/device x 2560, per micro-batch)       7.59  update
   export: one block of a leaf gathered whole                0.38  export
   peak rollout                                             32.71
-  peak score                                               18.95
-  peak update                                              30.03
-  peak export                                              15.34
+  peak score                                               17.08
+  peak update                                              28.16
+  peak export                                              13.47
   fits in 72 GiB per device (45% at the peak)
 """
 

@@ -56,6 +56,7 @@ from dreamjax.loop.evaluate import evaluate, greedy_rollout, unparsed_rows
 from dreamjax.loop.model import ModelSource, prepare_model
 from dreamjax.loop.track import echo
 from dreamjax.models import ModelConfig, tiny
+from dreamjax.models.params import in_compute_dtype
 from dreamjax.parallel import TRAIN_RULES, check_same
 from dreamjax.rl.batch import TokenBatch, rl_batch
 from dreamjax.rl.critic import Critic, CriticConfig, critic_metrics, explained_variance
@@ -294,8 +295,9 @@ class PolicyLearner:
     if cfg.rows_per_step % self.step.row_multiple:
       raise ValueError(f"RLConfig.rows_per_step ({cfg.rows_per_step}) must be a multiple of micro_batches x "
                        f"data-parallel size ({self.step.row_multiple})")
-    # A copy: the train step donates the state's buffers, which must not be the reference's.
-    self.ref_params = jax.tree.map(jnp.copy, params) if self.objective.config.kl_coef else None
+    # A copy (the train step donates the state's buffers, which must not be the reference's), in the compute dtype:
+    # frozen, it gives the same log-probs at half the bytes in a bfloat16 run (`in_compute_dtype`).
+    self.ref_params = in_compute_dtype(params, model_cfg) if self.objective.config.kl_coef else None
     # The critic copies the policy's initial weights (the same checkpoint) before the policy's state takes them.
     self.critic = Critic(cfg.critic, model_cfg, params, agg=cfg.objective.agg, epochs=cfg.critic.epochs or cfg.epochs,
                          rows_per_step=cfg.critic.rows_per_step or cfg.rows_per_step,
@@ -339,10 +341,13 @@ class PolicyLearner:
       self.critic.state = arrays["critic"]
 
   def sampling_params(self):
-    """The policy's parameters laid out as the sampler wants them (sampling may shard differently from training)."""
-    if self.mesh is None:
-      return self.state.params
-    return jax.device_put(self.state.params, self.engine.sampler.param_shardings())
+    """The policy's parameters as the sampler wants them: laid out for sampling (which may shard differently from
+    training) and in the compute dtype, which samples the same tokens from half the bytes in a bfloat16 run
+    (`in_compute_dtype`). With float32 compute and one layout these are the state's own arrays, no copy."""
+    shardings = None if self.mesh is None else self.engine.sampler.param_shardings()
+    if jnp.dtype(self.model_cfg.dtype) != jnp.dtype(self.model_cfg.param_dtype):
+      return in_compute_dtype(self.state.params, self.model_cfg, shardings)
+    return self.state.params if shardings is None else jax.device_put(self.state.params, shardings)
 
   def build_batch(self, traj: Trajectories) -> tuple[TokenBatch, dict[str, float]]:
     """The update's batch for a rollout: reference log-probs and critic values scored here, advantages by config."""

@@ -31,3 +31,24 @@ def init_params(cfg: ModelConfig, rng: jax.Array, mesh: jax.sharding.Mesh | None
     return nn.unbox(jax.jit(_init, static_argnums=0)(cfg, rng))
   shardings = param_shardings(cfg, mesh, rules)
   return jax.jit(lambda r: nn.unbox(_init(cfg, r)), out_shardings=shardings)(rng)
+
+
+# Leaves the model reads in float32 whatever the compute dtype (the critic's head: `Transformer`'s values einsum).
+FLOAT32_LEAVES = ("value_head",)
+
+
+def in_compute_dtype(params, cfg: ModelConfig, shardings=None):
+  """A copy of `params` with every leaf in the compute dtype (`cfg.dtype`), laid out as `shardings` (default: as
+  they are). Exact for every forward pass: the model casts each weight to the compute dtype where it reads it
+  (`Transformer`), and casting twice is casting once, so the logits are bit for bit those of the full-precision
+  weights. The exception is `FLOAT32_LEAVES`, which it reads in float32 and this keeps in the parameters' dtype. For
+  what never trains (the frozen reference, the sampler's copy): a bfloat16 run stores and reads them at half the
+  bytes. Always a new tree (the train step donates the parameters' buffers)."""
+  dt = jnp.dtype(cfg.dtype)
+
+  def cast(path, x):
+    keep = jax.tree_util.keystr(path[:1], simple=True, separator="/") in FLOAT32_LEAVES
+    return jnp.copy(x) if keep or x.dtype == dt else x.astype(dt)
+
+  fn = lambda p: jax.tree_util.tree_map_with_path(cast, p)  # noqa: E731
+  return jax.jit(fn, out_shardings=shardings)(params) if shardings is not None else jax.jit(fn)(params)

@@ -15,9 +15,10 @@ What the loops keep on a device, and in which layout (read from dreamjax/rl and 
   is applied to the parameters themselves), sharded like them; the rest of the chain is stateless or scalars;
 - gradients: the update step accumulates micro-batch gradients in a float32 tree (constrained to the parameters'
   shardings) and holds one micro-batch's gradient in the parameter dtype beside it;
-- the frozen reference (GRPO's KL term): a copy of the warm start, in the TRAIN_RULES layout the policy was loaded in;
-- during rollouts, the policy's parameters re-laid out for the sampler (SAMPLE_RULES keep `embed` whole, so under
-  fsdp this is a second, larger copy; with fsdp = 1 the layouts agree and no copy is made);
+- the frozen reference (GRPO's KL term): a copy of the warm start in the compute dtype (`in_compute_dtype`: exact,
+  as the model casts every weight to it at use), in the TRAIN_RULES layout the policy was loaded in;
+- during rollouts, the policy's parameters in the compute dtype, laid out for the sampler (SAMPLE_RULES keep `embed`
+  whole, so under fsdp this is a second copy; with fsdp = 1 and float32 compute no copy is made);
 - M_exp (DreamGym): loaded once in the SAMPLE_RULES layout, resident for the whole run;
 - KV caches, allocated inside each sampler call: layers x 2 x kv_heads x head_dim x slots per row in the compute
   dtype, rows over (data, fsdp) and kv heads over tensor where they divide;
@@ -66,7 +67,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
 from dreamjax.models.config import ModelConfig, from_hf_config
-from dreamjax.models.params import abstract_params
+from dreamjax.models.params import FLOAT32_LEAVES, abstract_params
 from dreamjax.parallel.distributed import export_blocks
 from dreamjax.parallel.mesh import AXES, MeshConfig
 from dreamjax.parallel.sharding import SAMPLE_RULES, TRAIN_RULES, Rules, dropped_axes, logical_to_spec
@@ -260,6 +261,13 @@ def export_bytes(cfg: ModelConfig, dtype: str | None = None) -> int:
   return max(block(s) for s in param_specs(cfg))
 
 
+def compute_copy_bytes(cfg: ModelConfig, sizes: Mapping[str, int], rules: Rules) -> int:
+  """Bytes of one device's shards of `in_compute_dtype(params)`: the compute dtype but for `FLOAT32_LEAVES`."""
+  width = jnp.dtype(cfg.dtype).itemsize
+  return sum(shard_elements(s.axes, s.shape, sizes, rules) * (s.itemsize if s.path in FLOAT32_LEAVES else width)
+             for s in param_specs(cfg))
+
+
 def same_layout(cfg: ModelConfig, sizes: Mapping[str, int], a: Rules, b: Rules) -> bool:
   """Whether every parameter is placed identically under both rule tables (then re-laying out is a no-op)."""
   m = _mesh(sizes)
@@ -426,11 +434,14 @@ def _learner_lines(rl: Any, policy: ModelConfig, sizes: Mapping[str, int],
   micro_rows = rl.rows_per_step // rl.micro_batches
   resident = [Line("policy params (train layout)", p_train, ()),
               Line("AdamW moments (2 x params dtype)", 2 * p_train, ())]
-  if rl.objective.kl_coef:
-    resident.append(Line("reference params (train layout)", p_train, ()))
-  copy = 0 if same_layout(policy, sizes, TRAIN_RULES, SAMPLE_RULES) else param_bytes(policy, sizes, SAMPLE_RULES)
+  if rl.objective.kl_coef:  # frozen, so kept in the compute dtype (`in_compute_dtype`), as is the sampling copy
+    resident.append(Line(f"reference params (train layout, {policy.dtype})",
+                         compute_copy_bytes(policy, sizes, TRAIN_RULES), ()))
+  cast = policy.dtype != policy.param_dtype
+  copy = (compute_copy_bytes(policy, sizes, SAMPLE_RULES)
+          if cast or not same_layout(policy, sizes, TRAIN_RULES, SAMPLE_RULES) else 0)
   transient = [
-      Line("policy params re-laid out for sampling", copy, sampling),
+      Line(f"policy params for sampling ({policy.dtype})", copy, sampling),
       Line(f"policy KV cache ({rows} rows x {slots} slots)", kv_cache_bytes(policy, rows, slots, sizes), ("rollout",)),
       Line(f"policy prefill ({rows} rows x {prompt})",
            forward_bytes(policy, rows, prompt, sizes, SAMPLE_RULES, logits_positions=1), ("rollout",)),
