@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,7 @@ def test_record_errors_name_file_line_and_field(tmp_path, path, value, message):
   bad = json.loads(json.dumps(good))
   _set(bad, path, value)
   f = tmp_path / "t.jsonl"
-  _write(f, [good, good, bad])
+  _write(f, [_record(1).to_json(), _record(2).to_json(), bad])  # episodes are recorded once each
   with pytest.raises(ValueError) as e:
     read_trajectories(f)
   assert str(e.value).startswith(f"{f}:3: ") and message in str(e.value)
@@ -91,6 +92,37 @@ def test_offline_budgets_take_whole_episodes_in_file_order(tmp_path):
   assert steps() == [3, 2, 1, 4] and steps(max_transitions=6) == [3, 2, 1] and steps(max_transitions=5) == [3, 2]
   assert steps(max_transitions=4) == [3] and steps(max_transitions=2) == [] and steps(max_transitions=10) == [3, 2, 1, 4]
   assert steps(max_episodes=3, max_transitions=100) == [3, 2, 1]
+
+
+def test_a_repeated_episode_id_is_refused_naming_the_file_and_both_lines(tmp_path):
+  """Every reader refuses an episode read twice (data written twice over, e.g. by several processes appending to one
+  folder), in one file or across the files of one read."""
+  from dreamjax.data.tfds_dataset import build_dataset
+
+  a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+  at = {path: re.escape(str(path)) for path in (a, b)}
+  _write(a, [_record(0).to_json(), _record(1).to_json(), _record(0).to_json()])
+  twice = rf"^{at[a]}:3: field 'episode_id': episode 'random:coin/train/0' was already read at line 1; "
+  with pytest.raises(ValueError, match=twice):
+    read_trajectories(a)
+  with pytest.raises(ValueError, match=twice):
+    read_trajectory_files([a])
+  with pytest.raises(ValueError, match=twice):
+    build_dataset([a], tmp_path / "tfds")
+  resumed = tmp_path / "collect"
+  resumed.mkdir()
+  (resumed / "trajectories.jsonl").write_bytes(a.read_bytes())
+  with pytest.raises(ValueError, match=rf"^{re.escape(str(resumed))}/trajectories.jsonl:3: .* at line 1; "):
+    collect(_config(resumed, build_tfds=False), episodes=[], batch=object())  # a resumed collection reads its file
+  _write(a, [_record(0).to_json(), _record(1).to_json()])
+  _write(b, [_record(2).to_json(), _record(1).to_json()])
+  across = rf"^{at[b]}:2: field 'episode_id': episode 'random:coin/train/1' was already read at {at[a]}:2; "
+  with pytest.raises(ValueError, match=across):
+    read_trajectory_files([a, b])
+  with pytest.raises(ValueError, match=across):
+    build_dataset([a, b], tmp_path / "tfds")
+  with pytest.raises(ValueError, match=rf"^{at[a]}:1: .* already read at {at[a]}:1; "):  # one file passed twice
+    read_trajectory_files([a, a])
 
 
 def test_partial_last_line_is_ignored_and_cut_before_appending(tmp_path):

@@ -13,6 +13,11 @@ field or file (the CLI prints it and exits with code 2); a teacher that cannot a
 failed with `on_failure="raise"`, or a misconfigured URL, model or key) is reported the same way, and the
 annotations written before it are kept for the rerun.
 
+Several processes (a command started on every worker of a pod): the processes join (`initialize`), process 0 alone
+annotates and writes (the output, the teacher's answer cache) and returns the summary, and the others wait for it at
+a barrier and return an empty one. Annotating runs no model here (a teacher is an HTTP endpoint), so other processes
+would only send every request again.
+
   dreamjax annotate --config configs/annotate_twx.py[:tiny] [--set annotator=teacher --set teacher.base_url=...]
 """
 
@@ -28,6 +33,7 @@ from dreamjax.experience.annotate import Annotator, annotate_file, rule_annotato
 from dreamjax.experience.teacher import FAILURE_MODES, TeacherAnnotator, TeacherError
 from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.track import progress
+from dreamjax.parallel import DistributedConfig, barrier, initialize, is_primary
 
 ANNOTATORS = ("rules", "teacher")
 
@@ -65,6 +71,7 @@ class AnnotateConfig:
   workers: int = 1  # episodes annotated at once (threads; for a teacher behind HTTP)
   teacher: TeacherConfig = TeacherConfig()
   progress: bool = True  # a bar over the episodes annotated (shown only when stderr is a terminal)
+  distributed: DistributedConfig = DistributedConfig()  # multi-process runs (default: from the environment)
 
   def __post_init__(self):
     # Only single-field checks here: overrides are applied one at a time, so a check across fields (a teacher needs
@@ -114,14 +121,18 @@ def _teacher(cfg: AnnotateConfig, out: Path, step_limit: int | None, fallback: A
 
 def run(cfg: AnnotateConfig) -> dict[str, Any]:
   """Annotates the episodes of `cfg.trajectories` that the output lacks; prints and returns the summary (counts,
-  seconds, the output path, the step limit used and, for a teacher, its request/cache/retry/fallback counts)."""
+  seconds, the output path, the step limit used and, for a teacher, its request/cache/retry/fallback counts); {} on
+  processes other than process 0 (module docstring)."""
   src = Path(cfg.trajectories)
   if not src.is_file():
     raise ValueError(f"AnnotateConfig.trajectories: {src} does not exist (collect trajectories with `dreamjax "
                      f"collect` first)")
   out = output_path(cfg)
+  initialize(cfg.distributed)  # before the lock, which process 0 alone takes once the processes have joined
   with lock_run_folder(out.parent):  # one writer per folder (the collector's, by default): none appends under another
-    return _annotate(cfg, src, out)
+    summary = _annotate(cfg, src, out) if is_primary() else {}
+    barrier("annotate", host_work=True)  # the others read nothing before the annotations are whole
+  return summary
 
 
 def _annotate(cfg: AnnotateConfig, src: Path, out: Path) -> dict[str, Any]:

@@ -1,16 +1,24 @@
 """`dreamjax collect`: expert, random and epsilon-noisy episodes on a real env, written to JSONL (and a TFDS dataset);
 the collector itself is `dreamjax.data.collect`.
 
+Several processes (a command started on every worker of a pod, as `dreamjax reproduce`'s first stage is): the
+processes join (`initialize`), process 0 alone collects and writes out_dir, and the others wait for it at a barrier,
+then every process returns the summary.json it wrote. The envs run on the host, not on the accelerators, so other
+processes have nothing to add, and one writer makes the result a one-process run's: the same episodes, once each, in
+one file.
+
 Run: `dreamjax collect --config configs/collect_twx.py[:tiny]`.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from dreamjax.data.collect import CollectConfig, collect
 from dreamjax.loop.lock import lock_run_folder
+from dreamjax.parallel import barrier, initialize, is_primary
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -27,9 +35,13 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def run(cfg: CollectConfig) -> dict[str, Any]:
-  """The `dreamjax collect` command."""
+  """The `dreamjax collect` command: the summary (as written to out_dir/summary.json) on every process."""
+  initialize(cfg.distributed)  # before the lock, which process 0 alone takes once the processes have joined
   with lock_run_folder(cfg.out_dir):  # one collector per folder: two would append the same episodes
-    summary = collect(cfg)
+    if is_primary():
+      collect(cfg)
+    barrier("collect", host_work=True)  # the others read nothing before the JSONL and summary.json are whole
+    summary = json.loads((Path(cfg.out_dir) / "summary.json").read_text())
   print(format_summary(summary))
   print(f"summary: {Path(cfg.out_dir) / 'summary.json'}" +
         (f"; TFDS dataset: {Path(cfg.out_dir) / 'tfds'}" if cfg.build_tfds else ""))

@@ -8,6 +8,11 @@ per-task outcomes) to `out_dir` and returns it.
 
 Run: `dreamjax eval --config <a config defining an EvalRunConfig> --set checkpoint=runs/dreamgym/grpo_twx/final`
 (`dreamjax reproduce` runs it on every final policy with its `eval` section).
+
+Several processes (multi-host): `start_run(cfg)` first joins them; every process then runs the same program (the
+model sharded over every process's devices, the sampler's rows too, so each process takes part in every step, and
+each steps its own copy of the envs, as `dreamjax rl`'s evaluations do) and returns the result; process 0 alone
+writes eval.json.
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ from typing import Any
 import jax
 
 from dreamjax.envs.registry import make_batch_env
-from dreamjax.loop.config import RunConfig, run_mesh
+from dreamjax.loop.config import RunConfig, run_mesh, start_run
 from dreamjax.loop.evaluate import evaluate, greedy_rollout
 from dreamjax.loop.learner import TaskSpec
 from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.model import load_model
 from dreamjax.loop.track import to_json
+from dreamjax.parallel import is_primary
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
 
@@ -50,6 +56,7 @@ def run(cfg: EvalRunConfig) -> dict[str, Any]:
     raise ValueError(f"EvalRunConfig.checkpoint: {cfg.checkpoint!r} is not an HF checkpoint folder")
   if cfg.batch < 1:
     raise ValueError(f"EvalRunConfig.batch must be >= 1, got {cfg.batch}")
+  start_run(cfg)  # before anything touches devices: joins the processes, points the compilation cache
   with lock_run_folder(cfg.out_dir):  # one evaluation per folder, refused before the model loads
     return _evaluate(cfg)
 
@@ -69,9 +76,10 @@ def _evaluate(cfg: EvalRunConfig) -> dict[str, Any]:
   finally:
     env.close()
   result |= {"checkpoint": cfg.checkpoint, "config": to_json(cfg)}
-  out = Path(cfg.out_dir)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
+  if is_primary():  # the one writer of the run folder
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
   print(f"{cfg.checkpoint}: greedy success {result['success_rate']:.3f} [{result['ci_low']:.3f}, "
         f"{result['ci_high']:.3f}] over {result['episodes']} tasks" +
         (f", sampled {result['sampled']['success_rate']:.3f}" if cfg.sampled else ""), flush=True)

@@ -17,6 +17,13 @@ data: every method starts from the SFT policy trained on it, and DreamGym's M_ex
 held-out success as the mean over seeds with a 95% Wilson interval over all its episodes and the per-seed rates, and
 the training wall time (the cost comparison).
 
+Several processes (a command started on every worker of a pod): `run` first joins them with its own `distributed`
+section (set it there: the stages' `start_run` then finds the processes joined and does not read the stage sections'),
+then runs every stage on every process, each stage multi-process safe by itself (`collect` on process 0
+while the others wait; the training and evaluation commands as one program over all processes). Process 0 alone
+writes this command's own files (config.json, results.json, results.md, results.svg); after each stage every process
+meets at a barrier, so all read the stage's summary once it is written and all agree on which stages to reuse.
+
 Run: `dreamjax reproduce --config configs/reproduce_twx.py[:tiny]`; `make demo` runs configs/demo.py.
 """
 
@@ -43,6 +50,7 @@ from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.plots import success_bars
 from dreamjax.loop.results import ABLATIONS, ablation_method, budget_text
 from dreamjax.loop.track import TrackConfig, json_dumps, to_json
+from dreamjax.parallel import DistributedConfig, barrier, initialize, is_primary
 from dreamjax.rollout.agent import AgentFormat
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +90,7 @@ class ReproduceConfig:
   # The policy backbone's name in merged tables (`dreamjax tables`); "": the SFT checkpoint folder's name, or "tiny".
   backbone: str = ""
   out_dir: str = "runs/reproduce"
+  distributed: DistributedConfig = DistributedConfig()  # multi-process runs, for every stage (module docstring)
 
   def __post_init__(self):
     unknown = [a for a in self.algorithms if a not in ("grpo", "ppo")] + [a for a in self.ablations
@@ -181,11 +190,13 @@ def _stage(folder: Path, marker: str, fn: Callable[[], Any]) -> dict[str, Any]:
   if not path.is_file():
     print(f"== {folder}", flush=True)
     fn()
+    barrier(f"reproduce {folder}")  # process 0 writes the marker last; every process reads it
   return json.loads(path.read_text())
 
 
 def run(cfg: ReproduceConfig) -> dict[str, Any]:
   out = Path(cfg.out_dir)
+  initialize(cfg.distributed)  # once, before the lock (process 0 alone takes it) and before any stage
   with lock_run_folder(out):  # once: every stage locks its own subfolder, a folder of its own
     return _reproduce(cfg, out)
 
@@ -195,7 +206,8 @@ def _reproduce(cfg: ReproduceConfig, out: Path) -> dict[str, Any]:
   from dreamjax.commands import eval as eval_run
   from dreamjax.commands.collect import run as collect
 
-  (out / "config.json").write_text(json_dumps(to_json(cfg), indent=2, sort_keys=True))
+  if is_primary():  # the one writer of the run folder
+    (out / "config.json").write_text(json_dumps(to_json(cfg), indent=2, sort_keys=True))
   t0 = time.perf_counter()
   data = out / "data" / "trajectories.jsonl"
   _stage(out / "data", "summary.json", lambda: collect(dataclasses.replace(cfg.collect, out_dir=str(out / "data"))))
@@ -285,10 +297,11 @@ def _reproduce(cfg: ReproduceConfig, out: Path) -> dict[str, Any]:
   result = {"env": cfg.eval.env, "backbone": backbone_name(cfg), "rows": rows, "seeds": list(cfg.seeds),
             "offline_transitions": offline(), "budgets": to_json(budgets), "eval": to_json(cfg.eval.tasks),
             "seconds": time.perf_counter() - t0}
-  (out / "results.json").write_text(json_dumps(result, indent=1) + "\n")
   text = table(rows, cfg)
-  (out / "results.md").write_text(text + "\n")
-  success_bars(rows, out / "results.svg")
+  if is_primary():
+    (out / "results.json").write_text(json_dumps(result, indent=1) + "\n")
+    (out / "results.md").write_text(text + "\n")
+    success_bars(rows, out / "results.svg")
   print(text, flush=True)
   return result
 

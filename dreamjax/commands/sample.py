@@ -4,6 +4,11 @@ check that a checkpoint loads, shards and samples).
 Without a checkpoint it builds one: a byte-level BPE trained on a small built-in corpus and a tiny random Qwen2 model,
 exported as an HF folder and loaded back, so it runs the same path a real Llama/Qwen checkpoint takes. Random
 weights produce random text; the point is the pipeline and its speed.
+
+Several processes (multi-host): `start_run(cfg)` first joins them; every process runs the same program (the rows are
+sharded over every process's devices, and fetching the samples is a collective), process 0 alone builds the tiny
+checkpoint (the others load it after a barrier) and writes sample.json; each process returns its own report (the same
+but for its timings).
 """
 
 from __future__ import annotations
@@ -15,12 +20,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dreamjax.loop.config import RunConfig, run_mesh
+from dreamjax.loop.config import RunConfig, run_mesh, start_run
 from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.model import ModelSource, prepare_model
 from dreamjax.loop.track import json_dumps
 from dreamjax.models import ModelConfig, tiny
-from dreamjax.parallel import SAMPLE_RULES
+from dreamjax.parallel import SAMPLE_RULES, is_primary, to_host
 from dreamjax.sampling import Sampler, left_pad, sampling_params
 from dreamjax.text import Kind, SegmentBuilder
 
@@ -53,6 +58,7 @@ def _corpus(n: int, seed: int) -> list[str]:
 
 
 def run(cfg: SampleConfig) -> dict:
+  start_run(cfg)  # before anything touches devices: joins the processes, points the compilation cache
   with lock_run_folder(cfg.out_dir):  # one run per folder (it builds tiny-checkpoint/ there)
     return _sample(cfg)
 
@@ -83,16 +89,17 @@ def _sample(cfg: SampleConfig) -> dict:
   result = sampler(params, tokens, mask, key, timed_sp)
   result.tokens.block_until_ready()
   seconds = time.perf_counter() - start
-  generated = int(np.sum(result.lengths))
-  sample = sampler(params, tokens, mask, key, sp)
+  generated = int(np.sum(to_host(result.lengths)))  # rows on every process's devices: a collective
+  sample = to_host(sampler(params, tokens, mask, key, sp))
   texts = [tokenizer.decode(sample.tokens[i, : sample.lengths[i]]) for i in range(len(prompts))]
   report = {
       "checkpoint": str(folder), "devices": len(jax.devices()), "batch": len(prompts), "prompt_tokens": width,
       "new_tokens_per_row": cfg.max_new_tokens, "tokens_per_s": generated / seconds, "first_call_s": first,
       "compilations": sampler.compilations(), "samples": texts,
   }
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "sample.json").write_text(json_dumps(report, indent=2))
+  if is_primary():  # the one writer of the run folder
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sample.json").write_text(json_dumps(report, indent=2))
   print(f"model: {model_cfg.family}, {model_cfg.num_layers} layers, hidden {model_cfg.hidden_size}, "
         f"vocab {model_cfg.vocab_size}, from {folder}")
   for i, text in enumerate(texts[:3]):

@@ -24,6 +24,9 @@ the summary, never written as env outcomes.
 
 Layout under out_dir: trajectories.jsonl, collect_config.json (what the episodes depend on, checked on resume),
 summary.json, and tfds/ (the DreamjaxTrajectories dataset built from the JSONL).
+
+`collect` is one process's work and writes out_dir itself; with several JAX processes `dreamjax collect`
+(dreamjax.commands.collect) runs it on process 0 alone.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from dreamjax.envs.base import ENV_ERROR, Observation, Task, env_failed
 from dreamjax.envs.registry import env_tasks, make_batch_env, parse_env_kwargs
 from dreamjax.envs.twx_explorer import TwxExplorer
 from dreamjax.envs.web_state import instantiate
+from dreamjax.parallel import DistributedConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +73,7 @@ class CollectConfig:
   eval_fraction: float = 0.1
   build_tfds: bool = True
   progress: bool = True
+  distributed: DistributedConfig = DistributedConfig()  # multi-process runs (default: from the environment)
 
 
 # What the recorded episodes depend on; a resumed run must agree on these.
@@ -212,11 +217,8 @@ def _check_identity(cfg: CollectConfig, out: Path) -> None:
 
 
 def _load_done(path: Path) -> dict[str, TrajectoryRecord]:
-  done: dict[str, TrajectoryRecord] = {}
-  if path.is_file():
-    for r in iter_trajectories(path):
-      done.setdefault(r.episode_id, r)
-  return done
+  """The episodes already in the JSONL by id (a repeated id is an error: `dreamjax.data.records`)."""
+  return {r.episode_id: r for r in iter_trajectories(path)} if path.is_file() else {}
 
 
 def collect(cfg: CollectConfig, episodes: Sequence[Episode] | None = None, batch=None) -> dict[str, Any]:

@@ -15,6 +15,14 @@ episodes recorded by the rollout engine).
 
 Reading is strict: a missing, unknown or mistyped field raises ValueError naming the source (file:line) and the
 field path, e.g. "data.jsonl:12: field 'steps[3].reward': expected a finite number, got 'x'".
+
+Every episode id is read once: an id already read, on an earlier line of the file or in an earlier file of the same
+read (`iter_trajectory_files`), is an error naming both places. The one writer, `dreamjax collect`, appends each
+episode once (a resumed run skips the episodes the file holds; with several processes only process 0 writes), so a
+repeat means the data was written twice over, e.g. by several processes appending to one shared folder, and training
+on it would weigh those episodes twice. Two files holding one id are a duplicate too: the same collection passed
+twice, or two collections of one plan (ids are "<policy>:<task_id>", equal in both), so merge files of different
+tasks only.
 """
 
 from __future__ import annotations
@@ -195,34 +203,57 @@ def _parse_record(d: Any, source: str) -> TrajectoryRecord:
   return record
 
 
-def iter_trajectories(path: str | Path) -> Iterator[TrajectoryRecord]:
-  """Validated records of a JSONL file, in file order (a partial last line is skipped with a warning)."""
+def _repeated(where: str, episode_id: str, first: str) -> ValueError:
+  return ValueError(f"{where}: field 'episode_id': episode {episode_id!r} was already read at {first}; an episode is "
+                    f"recorded once (was the data written twice, e.g. by several processes appending to one folder?)")
+
+
+def iter_numbered_trajectories(path: str | Path) -> Iterator[tuple[int, TrajectoryRecord]]:
+  """(line number, validated record) of a JSONL file, in file order (a partial last line is skipped with a warning);
+  an episode id seen on an earlier line is an error naming both lines."""
+  first: dict[str, int] = {}
   for number, value in read_jsonl(path):
-    yield TrajectoryRecord.from_json(value, source=f"{path}:{number}")
+    record = TrajectoryRecord.from_json(value, source=f"{path}:{number}")
+    if record.episode_id in first:
+      raise _repeated(f"{path}:{number}", record.episode_id, f"line {first[record.episode_id]}")
+    first[record.episode_id] = number
+    yield number, record
+
+
+def iter_trajectories(path: str | Path) -> Iterator[TrajectoryRecord]:
+  """Validated records of a JSONL file, in file order (`iter_numbered_trajectories`)."""
+  for _, record in iter_numbered_trajectories(path):
+    yield record
 
 
 def read_trajectories(path: str | Path) -> list[TrajectoryRecord]:
   return list(iter_trajectories(path))
 
 
+def iter_trajectory_files(paths: Sequence[str | Path]) -> Iterator[TrajectoryRecord]:
+  """Validated records of several JSONL files, file after file; an episode id already read, in this file or an
+  earlier one, is an error naming both places."""
+  first: dict[str, str] = {}
+  for path in paths:
+    for number, record in iter_numbered_trajectories(path):
+      if record.episode_id in first:
+        raise _repeated(f"{path}:{number}", record.episode_id, first[record.episode_id])
+      first[record.episode_id] = f"{path}:{number}"
+      yield record
+
+
 def read_trajectory_files(paths: Sequence[str | Path], field: str = "data", max_episodes: int = 0,
                           max_transitions: int = 0) -> list[TrajectoryRecord]:
   """The records of several JSONL files in order: the first `max_episodes` (0: all), then whole episodes while their
   steps total at most `max_transitions` (0: no cap; an offline data budget: an episode that would cross it is left
-  out with every one after it, so the records are a prefix of the files). A missing file, no files, or an episode id
-  that appears twice is an error naming `field` (the config field that gave the paths)."""
+  out with every one after it, so the records are a prefix of the files). No files or a missing file is an error
+  naming `field` (the config field that gave the paths); an episode id read twice, one naming both places."""
   if not paths:
     raise ValueError(f"{field}: no trajectory files given (collect some with `dreamjax collect`)")
-  records: list[TrajectoryRecord] = []
-  seen: dict[str, str] = {}
   for path in paths:
     if not Path(path).is_file():
       raise ValueError(f"{field}: {path} does not exist (collect trajectories with `dreamjax collect` first)")
-    for r in iter_trajectories(path):
-      if r.episode_id in seen:
-        raise ValueError(f"{field}: episode {r.episode_id!r} of {path} appears in {seen[r.episode_id]} already")
-      seen[r.episode_id] = str(path)
-      records.append(r)
+  records = list(iter_trajectory_files(paths))
   records = records[:max_episodes] if max_episodes else records
   if max_transitions:
     steps = list(itertools.accumulate(r.num_steps for r in records))

@@ -26,7 +26,7 @@ import numpy as np
 from etils import epath
 import tensorflow_datasets as tfds
 
-from dreamjax.data.records import StepRecord, TrajectoryRecord, Transition, iter_trajectories, transitions
+from dreamjax.data.records import StepRecord, TrajectoryRecord, Transition, iter_trajectory_files, transitions
 from dreamjax.envs.base import Task
 
 NAME = "dreamjax_trajectories"
@@ -132,27 +132,18 @@ class DreamjaxTrajectories(tfds.core.GeneratorBasedBuilder):
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(builder=self, description=__doc__, features=FEATURES)
 
-  def _records(self):
-    for path in self._jsonl_files:
-      yield from iter_trajectories(path)
-
   def _split_generators(self, dl_manager):
     if not self._jsonl_files:
       raise ValueError(f"{NAME}: no JSONL files to build from (pass jsonl_files=...)")
-    seen: dict[str, str] = {}
-    for path in self._jsonl_files:  # validates every record before anything is written
-      for r in iter_trajectories(path):
-        if r.episode_id in seen:
-          raise ValueError(f"{path}: episode {r.episode_id!r} is already in {seen[r.episode_id]}")
-        seen[r.episode_id] = str(path)
-    held_out = eval_ids(seen, self._eval_fraction)
+    # Validates every record, and that no episode id repeats, before anything is written.
+    held_out = eval_ids([r.episode_id for r in iter_trajectory_files(self._jsonl_files)], self._eval_fraction)
     splits = {"train": self._generate_examples(held_out, False)}
     if held_out:
       splits["eval"] = self._generate_examples(held_out, True)
     return splits
 
   def _generate_examples(self, held_out: set[str], want_eval: bool):
-    for r in self._records():
+    for r in iter_trajectory_files(self._jsonl_files):
       if (r.episode_id in held_out) == want_eval:
         yield r.episode_id, encode(r)
 

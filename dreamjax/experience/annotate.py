@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from dreamjax.data.jsonl import JsonlWriter, read_jsonl
-from dreamjax.data.records import StepRecord, TrajectoryRecord
+from dreamjax.data.records import StepRecord, TrajectoryRecord, iter_numbered_trajectories
 from dreamjax.experience.annotate_rules import RULES, line_diff, quote
 
 FORMAT = "dreamjax.annotation.v1"
@@ -139,8 +139,7 @@ def annotate_file(trajectories: str | Path, out: str | Path, annotator: Annotato
   def todo() -> Iterator[tuple[str, TrajectoryRecord]]:
     nonlocal skipped
     budget = limit
-    for number, value in read_jsonl(trajectories):
-      record = TrajectoryRecord.from_json(value, source=f"{trajectories}:{number}")
+    for number, record in iter_numbered_trajectories(trajectories):
       if record.episode_id in done:
         check_annotation(done[record.episode_id], record, f"{out} (episode {record.episode_id!r})")
         skipped += 1

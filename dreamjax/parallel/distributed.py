@@ -220,12 +220,29 @@ def is_primary() -> bool:
   return jax.process_index() == 0
 
 
-def barrier(name: str) -> None:
-  """Blocks until every process reaches the barrier of this name (a no-op with one process)."""
-  if jax.process_count() > 1:
+# How long the other processes wait while process 0 alone does host work (`barrier(..., host_work=True)`).
+HOST_WORK_TIMEOUT_S = 7 * 24 * 3600
+_barrier_uses: dict[str, int] = {}
+
+
+def barrier(name: str, host_work: bool = False) -> None:
+  """Blocks until every process reaches the barrier of this name (a no-op with one process). By default a device
+  collective. `host_work=True` is for processes that wait while process 0 alone works on the host for as long as it
+  takes (collecting episodes, asking a teacher): they wait at the coordination service's barrier instead, up to
+  `HOST_WORK_TIMEOUT_S`, where a collective gives up after XLA's collective timeout."""
+  if jax.process_count() == 1:
+    return
+  if not host_work:
     from jax.experimental import multihost_utils
 
     multihost_utils.sync_global_devices(name)
+    return
+  from jax._src import distributed as jax_distributed  # the client JAX's own serialization waits on
+
+  # A coordination-service barrier id is used once: every process counts its uses in the same order.
+  _barrier_uses[name] = _barrier_uses.get(name, 0) + 1
+  jax_distributed.global_state.client.wait_at_barrier(f"dreamjax:{name}:{_barrier_uses[name]}",
+                                                      timeout_in_ms=HOST_WORK_TIMEOUT_S * 1000)
 
 
 def to_devices(tree: Any, shardings: Any) -> Any:
