@@ -14,7 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from dreamjax.data.records import StepRecord, TrajectoryRecord, transitions
+from dreamjax.data.collect import play_expert
+from dreamjax.data.records import TrajectoryRecord, transitions
 from dreamjax.envs.base import Observation
 from dreamjax.experience.format import ExpFormatConfig, action_lists, render_user, system_prompt, transition_target
 from dreamjax.experience.synthetic_env import SyntheticEnv, initial_states_from
@@ -66,19 +67,10 @@ def played() -> tuple[TrajectoryRecord, list[Observation]]:
   env = TextWorldExpressEnv(step_limit=8)
   try:
     task = tasks("coin", "train", 1, start=1, params=COIN, env=env)[0]  # look around, move east, take coin
-    obs, steps, seen = env.reset(task), [], []
-    while (action := env.expert_action()) is not None:
-      seen.append(obs)
-      r = env.step(action)
-      steps.append(StepRecord(obs.state, action, r.observation.state, r.reward, r.done, r.success, r.invalid,
-                              obs.admissible, "expert"))
-      obs = r.observation
-      if r.done:
-        break
+    record, seen = play_expert(env, task)
   finally:
     env.close()
-  record = TrajectoryRecord(f"expert:{task.task_id}", env.name, task, obs.instruction, "expert", 0, tuple(steps),
-                            steps[-1].success, len(steps), 1.0)
+  steps = record.steps
   assert record.success and record.num_steps >= 2
   assert len({s.admissible for s in steps}) > 1  # the list changes with the state: a stale list would show
   return record, seen

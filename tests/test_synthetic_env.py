@@ -17,7 +17,8 @@ import numpy as np
 import optax
 import pytest
 
-from dreamjax.data.records import StepRecord, TrajectoryRecord, transitions
+from dreamjax.data.collect import play_expert
+from dreamjax.data.records import transitions
 from dreamjax.envs.base import ENV_ERROR, Observation, Task, env_failed
 from dreamjax.experience.format import (
     FAILURE_STATE,
@@ -57,19 +58,8 @@ def records():
   from dreamjax.envs.textworld_express import TextWorldExpressEnv, tasks
 
   env = TextWorldExpressEnv(step_limit=5)
-  out = []
   try:
-    for task in tasks(GAME, "train", EPISODES, params=PARAMS, env=env):
-      obs, steps = env.reset(task), []
-      while (action := env.expert_action()) is not None:
-        r = env.step(action)
-        steps.append(StepRecord(obs.state, action, r.observation.state, r.reward, r.done, r.success, r.invalid,
-                                obs.admissible, "expert"))
-        obs = r.observation
-        if r.done:
-          break
-      out.append(TrajectoryRecord(f"expert:{task.task_id}", env.name, task, obs.instruction, "expert", 0,
-                                  tuple(steps), steps[-1].success, len(steps), 1.0))
+    out = [play_expert(env, task)[0] for task in tasks(GAME, "train", EPISODES, params=PARAMS, env=env)]
   finally:
     env.close()
   assert all(r.success and r.num_steps == 2 for r in out)

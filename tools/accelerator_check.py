@@ -53,9 +53,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dreamjax.models import ModelConfig, init_params, tiny  # noqa: E402
+from dreamjax.models import ModelConfig, from_hf_config, init_params, tiny  # noqa: E402
 from dreamjax.plan.memory import published_config  # noqa: E402
 from dreamjax.sampling import Sampler, sampling_params  # noqa: E402
+from experiments.bench.models import COMMON, STANDARD  # noqa: E402
 
 SECTIONS = ("device", "parity", "ceilings", "decode", "grpo", "dreamgym")
 PARITY_TESTS = ("tests/test_model_parity.py", "tests/test_sampler.py", "tests/test_speculative.py")
@@ -63,10 +64,9 @@ PARITY_TESTS = ("tests/test_model_parity.py", "tests/test_sampler.py", "tests/te
 PEAKS = {"H200": (989e12, 4.8e12), "H100 80GB HBM3": (989e12, 3.35e12), "H100 PCIe": (756e12, 2.0e12),
          "A100-SXM4-80GB": (312e12, 2.04e12), "A100-SXM4-40GB": (312e12, 1.56e12), "TPU v4": (275e12, 1.23e12),
          "TPU v5 lite": (197e12, 0.82e12), "TPU v5p": (459e12, 2.76e12), "TPU v6 lite": (918e12, 1.64e12)}
-# The benchmark model of experiments/bench (BENCHMARKS: a Qwen2 with hidden 512 and 8 layers), and a smaller one.
-ARCHS = {"standard": dict(family="qwen2", vocab_size=32000, hidden_size=512, intermediate_size=1408, num_layers=8,
-                          num_heads=8, num_kv_heads=2, head_dim=64, max_position_embeddings=2048, qkv_bias=True),
-         "tiny": dict(family="qwen2", vocab_size=512)}
+# The benchmark model of experiments/bench (a Qwen2 with hidden 512 and 8 layers), and a smaller one.
+ARCHS = {"standard": from_hf_config({**COMMON, **STANDARD}, source="experiments/bench/models.py"),
+         "tiny": tiny("qwen2", vocab_size=512)}
 
 
 def log(msg: str) -> None:
@@ -76,7 +76,7 @@ def log(msg: str) -> None:
 def arch_config(name: str, dtype: str, param_dtype: str) -> ModelConfig:
   """A published architecture (dreamjax.plan.memory.PUBLISHED) or one of ARCHS, in the given dtypes."""
   if name in ARCHS:
-    return tiny(**ARCHS[name]).replace(dtype=dtype, param_dtype=param_dtype)
+    return ARCHS[name].replace(dtype=dtype, param_dtype=param_dtype)
   return published_config(name, dtype=dtype, param_dtype=param_dtype)
 
 

@@ -204,6 +204,26 @@ def run_episodes(batch, episodes: Sequence[Episode],
                                   e.seed, tuple(steps[i]), bool(r.success), len(steps[i]), score[i])
 
 
+def play_expert(env, task: Task) -> tuple[TrajectoryRecord, list[Observation]]:
+  """One episode of a single env's own expert (`expert_action`, until it has no action or the episode ends), recorded
+  as `run_episodes` records an expert episode, and the observations the expert acted on: a known-good episode for
+  tests and benchmarks, without a BatchEnv."""
+  obs, steps, seen, score = env.reset(task), [], [], None
+  while (action := env.expert_action()) is not None:
+    seen.append(obs)
+    r = env.step(action)
+    steps.append(StepRecord(obs.state, action, r.observation.state, float(r.reward), bool(r.done), bool(r.success),
+                            bool(r.invalid), tuple(obs.admissible), "expert"))
+    obs = r.observation
+    if isinstance(r.info.get("score"), int | float) and not isinstance(r.info.get("score"), bool):
+      score = float(r.info["score"])
+    if r.done:
+      break
+  record = TrajectoryRecord(f"expert:{task.task_id}", env.name, task, obs.instruction or task.instruction, "expert",
+                            0, tuple(steps), bool(steps and steps[-1].success), len(steps), score)
+  return record, seen
+
+
 def _check_identity(cfg: CollectConfig, out: Path) -> None:
   path = out / "collect_config.json"
   mine = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(cfg))).items() if k in IDENTITY_FIELDS}

@@ -46,11 +46,8 @@ import transformers  # noqa: E402
 from dreamjax.models import load_hf_checkpoint  # noqa: E402
 from dreamjax.sampling import Sampler, SpeculativeConfig, sampling_params  # noqa: E402
 from experiments.bench import peers  # noqa: E402
+from experiments.bench.models import COMMON, SMALL, STANDARD  # noqa: E402
 
-STANDARD = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-                num_key_value_heads=2)
-SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2)
 
 
 def log(msg: str) -> None:
@@ -63,8 +60,8 @@ def ensure_model(folder: Path, small: bool) -> Path:
     return folder
   log(f"building the {'small' if small else 'standard'} benchmark model in {folder}")
   torch.manual_seed(0)
-  cfg = transformers.Qwen2Config(**(SMALL if small else STANDARD), max_position_embeddings=2048,
-                                 tie_word_embeddings=False, dtype="float32")
+  shape = {k: v for k, v in COMMON.items() if k != "model_type"}
+  cfg = transformers.Qwen2Config(**(SMALL if small else STANDARD), **shape, dtype="float32")
   transformers.Qwen2ForCausalLM(cfg).eval().save_pretrained(folder)
   return folder
 

@@ -47,7 +47,8 @@ if str(ROOT) not in sys.path:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dreamjax.data.records import StepRecord, TrajectoryRecord, read_trajectories, transitions  # noqa: E402
+from dreamjax.data.collect import play_expert  # noqa: E402
+from dreamjax.data.records import TrajectoryRecord, read_trajectories, transitions  # noqa: E402
 from dreamjax.envs.base import SerialBatchEnv  # noqa: E402
 from dreamjax.envs.pool import EnvPool  # noqa: E402
 from dreamjax.envs.registry import make_env  # noqa: E402
@@ -78,17 +79,7 @@ def collect_twx(episodes: int) -> list[TrajectoryRecord]:
   env, out = TextWorldExpressEnv(step_limit=50), []
   try:
     for game in ("cookingworld", "twc", "coin"):
-      for task in tasks(game, "train", -(-episodes // 3), env=env):
-        obs, steps = env.reset(task), []
-        while (action := env.expert_action()) is not None:
-          r = env.step(action)
-          steps.append(StepRecord(obs.state, action, r.observation.state, r.reward, r.done, r.success, r.invalid,
-                                  obs.admissible, "expert"))
-          obs = r.observation
-          if r.done:
-            break
-        out.append(TrajectoryRecord(f"expert:{task.task_id}", env.name, task, obs.instruction, "expert", 0,
-                                    tuple(steps), bool(steps and steps[-1].success), len(steps), None))
+      out += [play_expert(env, task)[0] for task in tasks(game, "train", -(-episodes // 3), env=env)]
   finally:
     env.close()
   return out
