@@ -3,7 +3,9 @@
 Errors a user fixes in a config or on disk (a ValueError: a bad setting, a malformed input file, an unreadable
 checkpoint; a FileNotFoundError: a missing checkpoint, tokenizer or data file) are printed as one line,
 `dreamjax <command>: <message>`, with exit status 2; a run stopped for too many non-finite updates in a row
-(`NonFiniteUpdateError`) likewise, with status 1. Anything else keeps its traceback: it is a bug to report.
+(`NonFiniteUpdateError`) likewise, with status 1. A run stopped by a preemption notice (SIGTERM) after committing a
+checkpoint (`dreamjax.loop.preemption.Preempted`) prints one line and exits with status 75 (`PREEMPTED_EXIT`): the
+same command resumes it. Anything else keeps its traceback: it is a bug to report.
 """
 
 from __future__ import annotations
@@ -59,8 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"dreamjax {args.command}: {args.config} gives a {type(cfg).__name__}; this command runs a "
           f"{expected.__name__}", file=sys.stderr)
     return 2
+  from dreamjax.loop.preemption import PREEMPTED_EXIT, Preempted
+
   try:
     runner(cfg)
+  except Preempted as e:  # a launcher reruns the command on this status
+    print(f"dreamjax {args.command}: {e}", file=sys.stderr)
+    return PREEMPTED_EXIT
   except (ValueError, FileNotFoundError) as e:  # bad settings, paths or input files: the message names them
     print(f"dreamjax {args.command}: {e}", file=sys.stderr)
     return 2

@@ -1,7 +1,8 @@
 """The run the resume test kills: a tiny GRPO run on real TextWorld-Express, checkpointed every iteration.
 
-`resume_config` is the one config of tests/test_checkpoint.py's resume test, so the uninterrupted run, this child
-(killed by the test once its second checkpoint is committed) and the resumed run are the same run. The child builds
+`resume_config` is the one config of tests/test_checkpoint.py's resume tests, so the uninterrupted run, this child
+(killed by the test once its second checkpoint is committed, or sent SIGTERM once its first is) and the resumed run
+are the same run. Preempted, it exits with the CLI's status, 75. The child builds
 its own envs from the config, as `dreamjax rl` does.
 
 Usage: python tests/rl_resume_child.py WARM_START_FOLDER OUT_DIR
@@ -38,4 +39,10 @@ def resume_config(warm_start: str | Path, out: str | Path) -> RLConfig:
 
 
 if __name__ == "__main__":
-  run(resume_config(sys.argv[1], sys.argv[2]))
+  from dreamjax.loop.preemption import PREEMPTED_EXIT, Preempted
+
+  try:
+    run(resume_config(sys.argv[1], sys.argv[2]))
+  except Preempted as e:  # as the `dreamjax` CLI reports it
+    print(e, file=sys.stderr)
+    sys.exit(PREEMPTED_EXIT)

@@ -4,7 +4,8 @@ The resume test runs one tiny GRPO config on real TextWorld-Express three ways: 
 child process SIGKILLed once its second checkpoint is committed and the next iteration's metrics row is written (so
 the folder holds a row past its checkpoint); and resumed in the killed run's folder. The resumed run must end with
 the uninterrupted run's arrays bit for bit (parameters, optimizer state, step, reference, key) and the same
-metrics.jsonl and evals.jsonl rows, timings aside.
+metrics.jsonl and evals.jsonl rows, timings aside. The SIGTERM test does the same with a child sent SIGTERM (a
+preemption notice), which must checkpoint the iteration it is in and exit with 75.
 """
 
 from __future__ import annotations
@@ -423,6 +424,45 @@ def test_a_killed_run_resumes_to_the_uninterrupted_result(warm_start, twx, xla_c
   again = run(child.resume_config(warm_start, killed), twx)
   assert again["resumed_from"] == 4 and again["evals"] == summary["evals"] and again["run_id"] == run_id
   assert files == {name: (killed / name).read_text() for name in files}
+
+
+def test_a_sigterm_checkpoints_the_iteration_and_exits_75_then_resumes_to_the_uninterrupted_result(
+    warm_start, twx, xla_cache, whole, tmp_path):
+  """SIGTERM once checkpoint 1 is committed: the child ends the iteration it is in, checkpoints it (a step that
+  `checkpoint_every` would save anyway here) and exits with 75 without its final policy; rerun, it ends as the
+  uninterrupted run did."""
+  from dreamjax.commands.rl import run
+  from dreamjax.loop.preemption import PREEMPTED_EXIT
+
+  (whole, summary_whole), out = whole, tmp_path / "run"
+  env = {**os.environ, **xla_cache, "PYTHONPATH": str(ROOT)}
+  proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "rl_resume_child.py"), str(warm_start), str(out)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+  deadline = time.monotonic() + 240
+  try:
+    while proc.poll() is None and time.monotonic() < deadline and not (out / "checkpoints" / "1" / COMMIT).exists():
+      time.sleep(0.02)
+    assert proc.poll() is None, f"the child ended before it was signalled:\n{proc.stderr.read()[-3000:]}"
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=240)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  err = proc.stderr.read()
+  assert rc == PREEMPTED_EXIT, err[-3000:]
+  stopped = int(err.split("preempted after step ")[1].split(":")[0])
+  assert stopped in (2, 3) and not (out / "final").exists()
+  with RunCheckpointer(out / "checkpoints") as ck:
+    assert ck.latest_step() == stopped
+  assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, stopped + 1))
+  summary = run(child.resume_config(warm_start, out), twx)
+  assert summary["resumed_from"] == stopped and summary["run_id"] != summary_whole["run_id"]
+  assert [_untimed(e) for e in summary["evals"]] == [_untimed(e) for e in summary_whole["evals"]]
+  with RunCheckpointer(whole / "checkpoints") as a, RunCheckpointer(out / "checkpoints") as b:
+    _assert_equal_trees(a.restore(4)[0], b.restore(4)[0])
+  for name in ("metrics.jsonl", "evals.jsonl"):
+    assert [_untimed(r) for r in read_metrics(whole / name)] == [_untimed(r) for r in read_metrics(out / name)], name
 
 
 def test_a_resume_step_whose_array_data_is_corrupt_falls_back_to_the_step_before(warm_start, twx, whole, tmp_path):

@@ -310,10 +310,12 @@ def _files(folder: Path) -> list[str]:
 
 def test_only_process_0_writes_the_run_folders(runs):
   (a, b), out, single = runs
-  # Process 1 writes only its own orbax array metadata (array shards are written by TensorStore, unseen here); it
-  # reads the replay buffer process 0 writes.
-  assert {path for _, path in b["writes"]} == {f"{run}/checkpoints/2/arrays/array_metadatas/process_1"
-                                                 for run in ("run", "dreamgym")}
+  # Process 1 writes only its own orbax array metadata (array shards are written by TensorStore, unseen here) of
+  # every run's checkpoints (RL's every iteration, M_exp SFT's and policy SFT's after their last step); it reads the
+  # replay buffer process 0 writes.
+  assert {path for _, path in b["writes"]} == {f"{run}/checkpoints/{step}/arrays/array_metadatas/process_1"
+                                                 for run, step in (("run", 2), ("dreamgym", 2), ("exp", 120),
+                                                                   ("policy", 3))}
   written = {path for event, path in a["writes"] if event == "open"}
   for run in ("run", "dreamgym"):
     assert {f"{run}/{f}" for f in ("config.json", "metrics.jsonl", "evals.jsonl", "summary.json", "final/config.json",

@@ -16,8 +16,13 @@ Fixed shapes: every batch is padded to the same row count (the largest batch of 
 micro-batch fits, see `_rows_per_micro`) and the same length (`pad_to`, or the longest row rounded up to 64), so the
 step compiles once. Pairs are shuffled per epoch by `(seed, epoch)`.
 
-Tracking as in policy SFT (`dreamjax.loop.track.Tracker`, `track`): config.json, a fresh metrics.jsonl per run,
-summary.json, W&B when `track.wandb` asks for it, and a progress bar over the update steps.
+Tracking as in policy SFT (`dreamjax.loop.track.Tracker`, `track`): config.json, metrics.jsonl, summary.json, W&B when
+`track.wandb` asks for it, and a progress bar over the update steps.
+
+Checkpoints, preemption and resume as in policy SFT (its docstring; `checkpoint_every`, `keep_checkpoints`): the
+TrainState and, as JSON, the step, logged rows, evaluations, skip counts and tracker run id; the data position is the
+step (epoch = step // steps per epoch, pairs shuffled by `(seed, epoch)`). A resumed run scores the reference again
+(the same weights and rows give the same log-probs), then continues where the checkpoint ended.
 
 Several processes (multi-host): as policy SFT (its docstring): `start_run(cfg)` first, the same program
 on every process (the reference scorer's and the sampler's row-sharded outputs are gathered whole), process 0 alone
@@ -39,12 +44,12 @@ import jax
 import numpy as np
 
 from dreamjax.data.records import read_trajectory_files
-from dreamjax.loop.config import RunConfig, check_settings, run_mesh, start_run
+from dreamjax.loop.config import RunConfig, check_settings, export_dtype, run_mesh, start_run
 from dreamjax.loop.evaluate import EvalConfig, Evaluator, evaluate_and_log, format_eval, training_tasks
-from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.model import load_model, save_model
 from dreamjax.loop.policy_data import PairConfig, PreferencePair, preference_pairs
-from dreamjax.loop.track import Tracker, echo, progress, to_json
+from dreamjax.loop.run import RunFolder, resuming
+from dreamjax.loop.track import Tracker, echo, progress
 from dreamjax.parallel import TRAIN_RULES
 from dreamjax.rl.batch import TokenBatch, dpo_batch
 from dreamjax.rl.logprobs import LogpScorer, score_len_for
@@ -83,12 +88,14 @@ class DpoConfig(RunConfig):
   log_every: int = 10
   # Updates skipped in a row for a non-finite loss or gradient (the step keeps the old weights) before the run stops.
   max_nonfinite_updates: int = 3
+  checkpoint_every: int = 200  # updates between checkpoints (also after the last); 0: only after the last
+  keep_checkpoints: int = 3  # the last N checkpoints are kept
   out_dir: str = "runs/dpo/twx"
 
   def __post_init__(self):
     check_settings(self, ("pairs_per_step", "micro_batches", "epochs", "score_batch", "log_every",
-                          "max_nonfinite_updates"),
-                        ("max_steps", "pad_to", "devices", "data_transitions"))
+                          "max_nonfinite_updates", "keep_checkpoints"),
+                        ("max_steps", "pad_to", "devices", "data_transitions", "checkpoint_every"))
     if self.beta <= 0:
       raise ValueError(f"DpoConfig.beta must be > 0, got {self.beta}")
 
@@ -144,17 +151,22 @@ def with_reference(batch: TokenBatch, ref: dict[bytes, np.ndarray]) -> TokenBatc
 
 
 def run(cfg: DpoConfig, env=None) -> dict[str, Any]:
-  """Trains DPO from the SFT checkpoint, evaluates, saves; returns the summary (also out_dir/summary.json)."""
+  """Trains DPO from the SFT checkpoint (resuming from the latest checkpoint in `out_dir` when there is one),
+  evaluates, saves; returns the summary (also out_dir/summary.json)."""
   start_run(cfg)  # before anything touches devices: joins the processes, points the compilation cache
-  t_start = time.perf_counter()
   if not cfg.checkpoint or not (Path(cfg.checkpoint) / "config.json").is_file():
     raise ValueError(f"checkpoint: {cfg.checkpoint!r} is not an HF checkpoint folder (train one with policy SFT)")
-  out = Path(cfg.out_dir)
-  with lock_run_folder(out), Tracker(out, to_json(cfg), cfg.track) as tracker:  # one run per folder
-    return _train(cfg, env, out, tracker, t_start)
+  return resuming(lambda: _run(cfg, env))
 
 
-def _train(cfg: DpoConfig, env, out: Path, tracker: Tracker, t_start: float) -> dict[str, Any]:
+def _run(cfg: DpoConfig, env) -> dict[str, Any]:
+  t_start = time.perf_counter()
+  with RunFolder(cfg, cfg.out_dir, cfg.keep_checkpoints) as run_folder, run_folder.tracker(cfg.track) as tracker:
+    return _train(cfg, env, run_folder, tracker, t_start)
+
+
+def _train(cfg: DpoConfig, env, run: RunFolder, tracker: Tracker, t_start: float) -> dict[str, Any]:
+  out = run.out
   mesh = run_mesh(cfg)
   records = read_trajectory_files(cfg.data, "DpoConfig.data", max_transitions=cfg.data_transitions)
   model_cfg, params, tokenizer = load_model(cfg.checkpoint, mesh=mesh, rules=TRAIN_RULES, seed=cfg.seed)
@@ -187,15 +199,26 @@ def _train(cfg: DpoConfig, env, out: Path, tracker: Tracker, t_start: float) -> 
   key = jax.random.key(cfg.seed)
   state = create_train_state(model_cfg, params, optimizer, mesh)
   del params
-  history, evals = [], []
+  step, history, evals = 0, [], []
   skips = SkipCounter(cfg.max_nonfinite_updates, "DPO")
+  if run.resume is not None:
+    run.check_last(total, "max_steps (or epochs)")
+    arrays, meta = run.restore({"state": state})
+    state, step, history, evals = arrays["state"], int(meta["step"]), meta["history"], meta["evals"]
+    skips.total, skips.streak = int(meta["skipped_updates"]), int(meta["nonfinite_streak"])
+
+  def save_state(at: int) -> None:
+    run.save(at, {"state": state}, {"step": at, "history": history, "evals": evals, **skips.check()}, tracker)
+
   try:
-    if cfg.eval.at_start:
+    if cfg.eval.at_start and run.resume is None:
       evals.append(evaluate_and_log(evaluator, state.params, key, 0, tracker))
-    step, t_train = 0, time.perf_counter()
-    with progress(total, "dpo", unit="step", enabled=cfg.track.progress and tracker.primary) as bar:
-      for epoch, order in enumerate(orders):
-        for s in range(0, len(order), cfg.pairs_per_step):
+    t_train = time.perf_counter()
+    first_epoch, done = divmod(step, steps_per_epoch)  # a resumed run starts inside an epoch
+    with progress(total, "dpo", unit="step", initial=step, enabled=cfg.track.progress and tracker.primary) as bar:
+      for epoch in range(first_epoch, len(orders)):
+        order = orders[epoch]
+        for s in range(done * cfg.pairs_per_step if epoch == first_epoch else 0, len(order), cfg.pairs_per_step):
           if step >= total:
             break
           group = [pairs[i].as_rows() for i in order[s:s + cfg.pairs_per_step]]
@@ -212,11 +235,14 @@ def _train(cfg: DpoConfig, env, out: Path, tracker: Tracker, t_start: float) -> 
                  f"{row['reward_accuracy']:.3f}")
           if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total:
             evals.append(evaluate_and_log(evaluator, state.params, key, step, tracker))
+          run.after_step(step, total, cfg.checkpoint_every, save_state, f"DPO in {out}")
     train_s = time.perf_counter() - t_train
-    evals.append(evaluate_and_log(evaluator, state.params, key, step, tracker))
+    if run.resume != total:  # a finished run's rerun has its final evaluation in the checkpoint
+      evals.append(evaluate_and_log(evaluator, state.params, key, step, tracker))
+      save_state(step)
   finally:
     evaluator.close()
-  checkpoint = save_model(state.params, model_cfg, cfg.checkpoint, out / "checkpoint")
+  checkpoint = save_model(state.params, model_cfg, cfg.checkpoint, out / "checkpoint", dtype=export_dtype(cfg))
   first, last = history[0], history[-1]
   summary = {
       "checkpoint": str(checkpoint), "reference": cfg.checkpoint, "pairs": pair_stats, "steps": step,
@@ -227,7 +253,7 @@ def _train(cfg: DpoConfig, env, out: Path, tracker: Tracker, t_start: float) -> 
       **{f"first_{k}": first[k] for k in ("loss", "margin", "reward_accuracy")},
       **{f"final_{k}": last[k] for k in ("loss", "margin", "reward_accuracy")},
       "train_seconds": round(train_s, 3), "eval": evals[-1]["result"], "eval_history": evals,
-      "seconds": round(time.perf_counter() - t_start, 3),
+      "seconds": round(time.perf_counter() - t_start, 3), "resumed_from": run.resume,
   }
   tracker.summary(summary)
   echo(format_summary(summary))

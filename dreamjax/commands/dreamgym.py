@@ -29,7 +29,8 @@ Checkpoints and resume: as the real-env loop (`rl.checkpoint_every`, `rl.keep_ch
 curriculum state and task pool, the M_task counters and the replay buffer's marks added (`DreamGymHook`); a resumed
 run rewinds the buffer to its checkpoint, rebuilds the retrieval index in the chunks it was built in
 (`dreamjax.replay.write_back`), and draws what the uninterrupted run would have drawn. Rerun the same command to
-resume.
+resume. On SIGTERM (a preemption notice) the run checkpoints the iteration it is in once it ends and exits with
+status 75 (`dreamjax.loop.preemption`).
 
 Several processes (multi-host): see `dreamjax.loop.dreamgym` (one replay writer, identical indexes, digests
 compared every iteration) and `dreamjax.loop.run`.

@@ -11,6 +11,9 @@ process then runs the same host program on the same seeds and tasks, each steppi
 envs are cheap next to the model, and duplicated stepping keeps every process's prompts identical without
 host-to-host messages); process 0 alone writes the run folder.
 
+Preemption: on SIGTERM the run checkpoints the iteration it is in once it ends and exits with status 75
+(`dreamjax.loop.preemption`); the same command resumes it, as after a kill (`dreamjax.loop.run`).
+
   dreamjax rl --config configs/grpo_real_twx.py:tiny                                   # killed? rerun it to resume
   dreamjax rl --config configs/grpo_real_twx.py:tiny --set track.wandb=offline --set checkpoint_every=5
 """

@@ -28,8 +28,14 @@ training on anything else: no files, or files whose annotations of the episodes 
 including a teacher's fallbacks to them ("<rules> (teacher fallback)", teacher.py), or by an unnamed annotator (a
 format without reasoning or tutorial trains on no annotation, and is let through).
 
-Tracking (`dreamjax.loop.track.Tracker`, `track`): config.json, metrics.jsonl (fresh on every run), summary.json, and W&B
-when `track.wandb` is "online" or "offline"; a progress bar over the steps when stderr is a terminal.
+Tracking (`dreamjax.loop.track.Tracker`, `track`): config.json, metrics.jsonl, summary.json, and W&B when `track.wandb`
+is "online" or "offline"; a progress bar over the steps when stderr is a terminal.
+
+Checkpoints, preemption and resume as in policy SFT (`dreamjax.commands.train_policy`; `checkpoint_every`,
+`keep_checkpoints`): the TrainState and, as JSON, the step, logged rows, training tokens, skip counts and tracker run
+id, also after the final fidelity evaluation (with its result). The data position is the step: the seeded batch
+stream is drawn again and its first `step` batches skipped (host work only), so a resumed run ends as an
+uninterrupted one; periodic evaluations live in the logged rows, which metrics.jsonl keeps up to the checkpoint.
 
 Several processes (multi-host): as policy SFT (its docstring): `start_run(cfg)` first, the same program
 on every process (retrieval indexes are built per process from the same data; the scorer's and the decoder's
@@ -43,9 +49,9 @@ Run: dreamjax train-exp --config configs/train_exp_twx.py[:variant] [--set key=v
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
-from pathlib import Path
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -67,9 +73,9 @@ from dreamjax.experience.sft_data import (
     corpus,
     split_by_task,
 )
-from dreamjax.loop.config import RunConfig, run_mesh, start_run
-from dreamjax.loop.lock import lock_run_folder
+from dreamjax.loop.config import RunConfig, export_dtype, run_mesh, start_run
 from dreamjax.loop.model import ModelSource, prepare_model, save_model
+from dreamjax.loop.run import RunFolder, resuming
 from dreamjax.loop.track import Tracker, echo, json_dumps, progress, to_json
 from dreamjax.rl.batch import sft_batch
 from dreamjax.rl.logprobs import LogpScorer, score_len_for
@@ -105,6 +111,8 @@ class ExpSftConfig(RunConfig):
   log_every: int = 10
   # Updates skipped in a row for a non-finite loss or gradient (the step keeps the old weights) before the run stops.
   max_nonfinite_updates: int = 3
+  checkpoint_every: int = 200  # steps between checkpoints (also after the last); 0: only after the last
+  keep_checkpoints: int = 3  # the last N checkpoints are kept
   out_dir: str = "runs/exp_sft/twx"
 
   def __post_init__(self):
@@ -112,11 +120,12 @@ class ExpSftConfig(RunConfig):
       raise ValueError(f"ExpSftConfig.retrieval_exclude must be one of {EXCLUDE}, got {self.retrieval_exclude!r}")
     if self.retrieval_encoder not in ENCODERS:
       raise ValueError(f"ExpSftConfig.retrieval_encoder must be one of {ENCODERS}, got {self.retrieval_encoder!r}")
-    for name in ("batch_size", "micro_batches", "max_len", "eval_batch_size", "max_nonfinite_updates"):
+    for name in ("batch_size", "micro_batches", "max_len", "eval_batch_size", "max_nonfinite_updates",
+                 "keep_checkpoints"):
       if getattr(self, name) < 1:
         raise ValueError(f"ExpSftConfig.{name} must be >= 1, got {getattr(self, name)}")
-    if self.steps < 0 or self.epochs < 0 or self.eval_every < 0 or self.max_new_tokens < 0:
-      raise ValueError("ExpSftConfig: steps, epochs, eval_every and max_new_tokens must be >= 0")
+    if min(self.steps, self.epochs, self.eval_every, self.max_new_tokens, self.checkpoint_every) < 0:
+      raise ValueError("ExpSftConfig: steps, epochs, eval_every, max_new_tokens and checkpoint_every must be >= 0")
 
 
 def length_buckets(max_len: int) -> tuple[int, ...]:
@@ -203,15 +212,20 @@ def _evaluate(predictor: Predictor, scorer: LogpScorer, params: Any, held: list[
 
 
 def run(cfg: ExpSftConfig) -> dict[str, Any]:
-  """Trains M_exp; returns the summary (also written to out_dir/summary.json)."""
+  """Trains M_exp (resuming from the latest checkpoint in `out_dir` when there is one); returns the summary (also
+  written to out_dir/summary.json)."""
   start_run(cfg)  # before anything touches devices: joins the processes, points the compilation cache
+  return resuming(lambda: _run(cfg))
+
+
+def _run(cfg: ExpSftConfig) -> dict[str, Any]:
   t0 = time.perf_counter()
-  out = Path(cfg.out_dir)  # the tracker creates it (on process 0, the one writer)
-  with lock_run_folder(out), Tracker(out, to_json(cfg), cfg.track) as tracker:  # one run per folder
-    return _train(cfg, out, tracker, t0)
+  with RunFolder(cfg, cfg.out_dir, cfg.keep_checkpoints) as run_folder, run_folder.tracker(cfg.track) as tracker:
+    return _train(cfg, run_folder, tracker, t0)
 
 
-def _train(cfg: ExpSftConfig, out: Path, tracker: Tracker, t0: float) -> dict[str, Any]:
+def _train(cfg: ExpSftConfig, run: RunFolder, tracker: Tracker, t0: float) -> dict[str, Any]:
+  out = run.out
   records = read_trajectory_files(cfg.trajectories, "ExpSftConfig.trajectories", cfg.max_episodes)
   by_file = {path: read_annotations(path) for path in cfg.annotations}
   # Before any model is built. Without reasoning or tutorial (the "w/o reasoning" ablation) nothing is trained on them.
@@ -249,10 +263,22 @@ def _train(cfg: ExpSftConfig, out: Path, tracker: Tracker, t0: float) -> dict[st
   key = jax.random.key(cfg.seed)
   history: list[dict[str, Any]] = []
   skips = SkipCounter(cfg.max_nonfinite_updates, "M_exp SFT")
-  train_tokens = 0
+  done, train_tokens, final = 0, 0, None
+  if run.resume is not None:
+    run.check_last(total, "steps (or epochs)")
+    arrays, meta = run.restore({"state": state})
+    state, done, history, train_tokens = arrays["state"], int(meta["step"]), meta["history"], int(meta["train_tokens"])
+    skips.total, skips.streak = int(meta["skipped_updates"]), int(meta["nonfinite_streak"])
+    final = meta.get("final")  # the final evaluation's result, once it ran
+
+  def save_state(at: int) -> None:
+    run.save(at, {"state": state}, {"step": at, "history": history, "train_tokens": train_tokens, "final": final,
+                                    **skips.check()}, tracker)
+
   t_train = time.perf_counter()
-  with progress(total, "exp_sft", unit="step", enabled=cfg.track.progress and tracker.primary) as bar:
-    for step, rows in enumerate(_batches(len(data.train), cfg.batch_size, total, cfg.seed), start=1):
+  batches = itertools.islice(_batches(len(data.train), cfg.batch_size, total, cfg.seed), done, None)
+  with progress(total, "exp_sft", unit="step", initial=done, enabled=cfg.track.progress and tracker.primary) as bar:
+    for step, rows in enumerate(batches, start=done + 1):
       examples = [data.train[i] for i in rows]
       width = next(b for b in buckets if b >= max(len(e.ids) for e in examples))
       batch = sft_batch([e.ids for e in examples], [e.loss_mask for e in examples], pad_to=width,
@@ -272,23 +298,26 @@ def _train(cfg: ExpSftConfig, out: Path, tracker: Tracker, t0: float) -> dict[st
         history.append(tracker.log(step, row))
         echo(f"step {step}/{total}: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(row.items())
                                                    if isinstance(v, float) and k in _SHOWN))
+      run.after_step(step, total, cfg.checkpoint_every, save_state, f"M_exp SFT in {out}")
   skips.check()
-  checkpoint = save_model(state.params, model_cfg, init_folder, out / "checkpoint")
+  checkpoint = save_model(state.params, model_cfg, init_folder, out / "checkpoint", dtype=export_dtype(cfg))
   meta = {"format": to_json(cfg.format), "max_len": cfg.max_len, "max_new_tokens": max_new,
           "retrieval_encoder": cfg.retrieval_encoder, "encoder_folder": str(init_folder), "env": records[0].env}
   if tracker.primary:
     (checkpoint / META_FILE).write_text(json_dumps(meta, indent=2, sort_keys=True))
-  final: dict[str, Any] = {}
-  if data.held_out:
-    predictor.set_params(state.params)
-    res = one_step(predictor, data.held_out, scorer=scorer)
-    final = {"model": res["model"], "copy": res["copy"]}
-    tracker.log(total, {f"final_held_out_{k}": v for k, v in res["model"].items() if isinstance(v, int | float)}
-                | {f"final_held_out_copy_{k}": v for k, v in res["copy"].items() if isinstance(v, int | float)})
-    if tracker.primary:
-      with open(out / "held_out_predictions.jsonl", "w", encoding="utf-8") as f:
-        for r in res["rows"]:
-          f.write(json_dumps(r, sort_keys=True) + "\n")
+  if final is None:  # not a finished run's rerun, whose final evaluation is in its checkpoint
+    final = {}
+    if data.held_out:
+      predictor.set_params(state.params)
+      res = one_step(predictor, data.held_out, scorer=scorer)
+      final = {"model": res["model"], "copy": res["copy"]}
+      tracker.log(total, {f"final_held_out_{k}": v for k, v in res["model"].items() if isinstance(v, int | float)}
+                  | {f"final_held_out_copy_{k}": v for k, v in res["copy"].items() if isinstance(v, int | float)})
+      if tracker.primary:
+        with open(out / "held_out_predictions.jsonl", "w", encoding="utf-8") as f:
+          for r in res["rows"]:
+            f.write(json_dumps(r, sort_keys=True) + "\n")
+    save_state(total)
   summary = {
       "checkpoint": str(checkpoint), "steps": total, "examples": len(data.train), "held_out": len(data.held_out),
       "data": data.stats, "held_out_episodes": sorted(r.episode_id for r in data.held_out_records),
@@ -296,7 +325,7 @@ def _train(cfg: ExpSftConfig, out: Path, tracker: Tracker, t0: float) -> dict[st
       "final_train_loss": history[-1].get("loss") if history else None, "held_out_fidelity": final,
       "max_new_tokens": max_new, "seconds": round(time.perf_counter() - t0, 1),
       "train_seconds": round(time.perf_counter() - t_train, 1), "compilations": step_fn.compilations(),
-      "skipped_updates": skips.total,
+      "skipped_updates": skips.total, "resumed_from": run.resume,
   }
   summary_path = tracker.summary(summary)
   if final:

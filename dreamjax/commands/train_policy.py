@@ -7,9 +7,18 @@ NLL over answer tokens) through the shared jitted `TrainStep`, evaluate the gree
 held-out tasks (and optionally on training tasks) at the end and every `eval.every_steps` updates, and save an HF
 checkpoint folder (RL's warm start) plus `summary.json`.
 
-Tracking (`dreamjax.loop.track.Tracker`, `track`): config.json, metrics.jsonl (fresh on every run: a rerun is a new run,
-it does not append to the last one's rows), summary.json, and W&B when `track.wandb` is "online" or "offline"; a
-progress bar over the update steps when stderr is a terminal.
+Tracking (`dreamjax.loop.track.Tracker`, `track`): config.json, metrics.jsonl, summary.json, and W&B when `track.wandb`
+is "online" or "offline"; a progress bar over the update steps when stderr is a terminal.
+
+Checkpoints and resume (`dreamjax.loop.run.RunFolder`, as the RL loop): every `checkpoint_every` updates, on a
+preemption notice (SIGTERM: `dreamjax.loop.preemption`; the run then stops and the CLI exits with 75) and after the
+final evaluation, `checkpoints/` gets the TrainState (parameters, optimizer state, step) and, as JSON, the step, the
+logged rows, the evaluations, the skip counts, the tracker's run id and the config; the last `keep_checkpoints` are
+kept. Rerunning the same command in the same `out_dir` resumes from the latest committed one: the data position is
+the step itself (epoch = step // steps per epoch, batches drawn by `(seed, epoch)`), the step's key is
+`fold_in(key(seed), step)`, metrics.jsonl keeps its rows up to that step and W&B continues the same run, so the
+resumed run ends with the parameters, metrics rows (timings aside) and evaluations of an uninterrupted one. A fresh
+folder starts a fresh metrics.jsonl and run id. A rerun of a finished run only rewrites its outputs.
 
 Batches have fixed shapes so the step compiles once: every batch holds `batch_size` rows (the last batch of an epoch
 is filled with empty rows, which the token-mean loss ignores) and, with `pad_to = 0`, every row is padded to the
@@ -38,7 +47,6 @@ import dataclasses
 import math
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -46,12 +54,12 @@ import numpy as np
 
 from dreamjax.data.records import read_trajectory_files
 from dreamjax.envs.base import BatchEnv
-from dreamjax.loop.config import RunConfig, check_settings, run_mesh, start_run
+from dreamjax.loop.config import RunConfig, check_settings, export_dtype, run_mesh, start_run
 from dreamjax.loop.evaluate import EvalConfig, Evaluator, evaluate_and_log, format_eval, training_tasks
-from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.model import ModelSource, prepare_model, save_model
 from dreamjax.loop.policy_data import RowConfig, TurnRow, policy_texts, sft_rows
-from dreamjax.loop.track import Tracker, echo, progress, to_json
+from dreamjax.loop.run import RunFolder, resuming
+from dreamjax.loop.track import Tracker, echo, progress
 from dreamjax.rl.batch import sft_batch
 from dreamjax.rl.logprobs import score_len_for
 from dreamjax.rl.objectives import make_objective
@@ -86,11 +94,14 @@ class PolicySftConfig(RunConfig):
   log_every: int = 10
   # Updates skipped in a row for a non-finite loss or gradient (the step keeps the old weights) before the run stops.
   max_nonfinite_updates: int = 3
+  checkpoint_every: int = 200  # updates between checkpoints (also after the last); 0: only after the last
+  keep_checkpoints: int = 3  # the last N checkpoints are kept
   out_dir: str = "runs/policy_sft/twx"
 
   def __post_init__(self):
-    check_settings(self, ("batch_size", "micro_batches", "epochs", "log_every", "max_nonfinite_updates"),
-                   ("max_steps", "pad_to", "devices", "data_transitions"))
+    check_settings(self, ("batch_size", "micro_batches", "epochs", "log_every", "max_nonfinite_updates",
+                          "keep_checkpoints"),
+                   ("max_steps", "pad_to", "devices", "data_transitions", "checkpoint_every"))
 
 
 def _batches(rows: Sequence[TurnRow], batch_size: int, rng: np.random.Generator) -> list[list[TurnRow]]:
@@ -104,16 +115,22 @@ def padded_length(rows: Sequence[TurnRow], pad_to: int) -> int:
 
 
 def run(cfg: PolicySftConfig, env: BatchEnv | None = None) -> dict[str, Any]:
-  """Trains, evaluates and saves; returns the summary (also written to out_dir/summary.json). `env` (not closed
-  here) replaces the evaluation env built from the config."""
+  """Trains (resuming from the latest checkpoint in `out_dir` when there is one), evaluates and saves; returns the
+  summary (also written to out_dir/summary.json). `env` (not closed here) replaces the evaluation env built from the
+  config."""
   start_run(cfg)  # before anything touches devices: joins the processes, points the compilation cache
+  return resuming(lambda: _run(cfg, env))
+
+
+def _run(cfg: PolicySftConfig, env: BatchEnv | None) -> dict[str, Any]:
   t_start = time.perf_counter()
-  out = Path(cfg.out_dir)  # the tracker creates it (on process 0, the one writer)
-  with lock_run_folder(out), Tracker(out, to_json(cfg), cfg.track) as tracker:  # one run per folder
-    return _train(cfg, env, out, tracker, t_start)
+  with RunFolder(cfg, cfg.out_dir, cfg.keep_checkpoints) as run_folder, run_folder.tracker(cfg.track) as tracker:
+    return _train(cfg, env, run_folder, tracker, t_start)
 
 
-def _train(cfg: PolicySftConfig, env: BatchEnv | None, out: Path, tracker: Tracker, t_start: float) -> dict[str, Any]:
+def _train(cfg: PolicySftConfig, env: BatchEnv | None, run: RunFolder, tracker: Tracker, t_start: float
+           ) -> dict[str, Any]:
+  out = run.out
   mesh = run_mesh(cfg)
   records = read_trajectory_files(cfg.data, "PolicySftConfig.data", max_transitions=cfg.data_transitions)
   model_dir, model_cfg, params, tokenizer = prepare_model(
@@ -138,15 +155,26 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, out: Path, tracker: Track
   key = jax.random.key(cfg.seed)
   state = create_train_state(model_cfg, params, optimizer, mesh)
   del params
-  history, evals = [], []
+  step, history, evals = 0, [], []
   skips = SkipCounter(cfg.max_nonfinite_updates, "policy SFT")
+  if run.resume is not None:
+    run.check_last(total, "max_steps (or epochs)")
+    arrays, meta = run.restore({"state": state})
+    state, step, history, evals = arrays["state"], int(meta["step"]), meta["history"], meta["evals"]
+    skips.total, skips.streak = int(meta["skipped_updates"]), int(meta["nonfinite_streak"])
+
+  def save_state(at: int) -> None:
+    run.save(at, {"state": state}, {"step": at, "history": history, "evals": evals, **skips.check()}, tracker)
+
   try:
-    if cfg.eval.at_start:
+    if cfg.eval.at_start and run.resume is None:
       evals.append(evaluate_and_log(evaluator, state.params, key, 0, tracker))
-    step, epoch, t_train = 0, 0, time.perf_counter()
-    with progress(total, "policy_sft", unit="step", enabled=cfg.track.progress and tracker.primary) as bar:
+    t_train = time.perf_counter()
+    with progress(total, "policy_sft", unit="step", initial=step,
+                  enabled=cfg.track.progress and tracker.primary) as bar:
       while step < total:
-        for batch_rows in _batches(rows, cfg.batch_size, np.random.default_rng([cfg.seed, epoch])):
+        epoch, done = divmod(step, steps_per_epoch)  # a resumed run starts inside an epoch
+        for batch_rows in _batches(rows, cfg.batch_size, np.random.default_rng([cfg.seed, epoch]))[done:]:
           if step >= total:
             break
           batch = sft_batch([r.ids for r in batch_rows], [r.loss_mask for r in batch_rows], pad_to=length,
@@ -160,12 +188,14 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, out: Path, tracker: Track
             echo(f"policy_sft step {step}/{total}: loss {history[-1]['loss']:.4f}")
           if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < total:
             evals.append(evaluate_and_log(evaluator, state.params, key, step, tracker))
-        epoch += 1
+          run.after_step(step, total, cfg.checkpoint_every, save_state, f"policy SFT in {out}")
     train_s = time.perf_counter() - t_train
-    evals.append(evaluate_and_log(evaluator, state.params, key, step, tracker))
+    if run.resume != total:  # a finished run's rerun has its final evaluation in the checkpoint
+      evals.append(evaluate_and_log(evaluator, state.params, key, step, tracker))
+      save_state(step)
   finally:
     evaluator.close()
-  checkpoint = save_model(state.params, model_cfg, model_dir, out / "checkpoint")
+  checkpoint = save_model(state.params, model_cfg, model_dir, out / "checkpoint", dtype=export_dtype(cfg))
   summary = {
       "checkpoint": str(checkpoint), "init_model": str(model_dir), "rows": row_stats, "steps": step,
       "offline_transitions": sum(r.num_steps for r in records),
@@ -173,6 +203,7 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, out: Path, tracker: Track
       "skipped_updates": skips.total, "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
       "train_seconds": round(train_s, 3),
       "eval": evals[-1]["result"], "eval_history": evals, "seconds": round(time.perf_counter() - t_start, 3),
+      "resumed_from": run.resume,
   }
   tracker.summary(summary)
   echo(format_summary(summary))

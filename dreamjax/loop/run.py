@@ -20,9 +20,15 @@ frozen reference, root key), the hooks' arrays and, as JSON, the counters, evalu
 config and the hooks' state are saved with orbax. Rerunning the same command with the same `out_dir` resumes from the
 latest committed checkpoint (a step that fails to read is moved aside with a warning and the one before it used;
 one whose array data alone is bad is found only when the arrays are read, after the hooks were built from its meta, so
-the command, wrapped in `resuming`, is built again from the earlier step): rows logged after it are dropped from metrics.jsonl and evals.jsonl, and since every
-draw depends only on (seed, iteration, phase), the resumed run ends with the same parameters, bit for bit, and the
-same files, timings aside, as a run that was never interrupted. W&B continues the same run id.
+the command, wrapped in `resuming`, is built again from the earlier step): rows logged after it are dropped from
+metrics.jsonl and evals.jsonl, and since every draw depends only on (seed, iteration, phase), the resumed run ends
+with the same parameters, bit for bit, and the same files, timings aside, as a run that was never interrupted. W&B
+continues the same run id. On a preemption notice (SIGTERM, or JAX's preemption sync point with several processes:
+`dreamjax.loop.preemption`) the loop checkpoints the iteration it just finished, waits for the commit and raises
+`Preempted` (the CLI exits with 75): rerunning the command resumes there.
+
+`RunFolder` (lock, checkpointer, resume step and meta, preemption, `restore` / `save` / `after_step`) is the part of
+`Run` that the step loops of policy SFT, DPO and M_exp SFT share with this one.
 
 One run per folder: `Run` takes the folder's lock (`dreamjax.loop.lock`) before anything in it is opened or written
 and holds it until `close`, so the same command started twice refuses the second run with the holder's pid and host.
@@ -42,11 +48,13 @@ from typing import Any, Protocol, TypeVar
 
 from dreamjax.envs.base import BatchEnv, Task
 from dreamjax.loop.checkpoint import RunCheckpointer, StepUnreadable
+from dreamjax.loop.config import export_dtype
 from dreamjax.loop.learner import PolicyLearner, RLConfig
 from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.model import save_model
 from dreamjax.loop.plots import learning_curve
-from dreamjax.loop.track import Tracker, echo, json_dumps, progress, to_json, truncate_jsonl
+from dreamjax.loop.preemption import Preempted, Preemption
+from dreamjax.loop.track import TrackConfig, Tracker, echo, json_dumps, progress, to_json, truncate_jsonl
 from dreamjax.rollout.trajectory import Trajectories
 
 # Training curves drawn into metrics.svg (those a run logs; PPO adds vf_loss, GRPO kl).
@@ -113,41 +121,98 @@ def config_changes(saved: Any, current: Any, prefix: str = "") -> list[str]:
                                                                                 f"{prefix}{k}.")]
 
 
-class Run:
-  """A run folder with its checkpoints: `resume` is the iteration the latest committed checkpoint ended (None: a
-  fresh run) and `meta` its JSON state, both known before anything else is built (hooks need them)."""
+class RunFolder:
+  """A run folder with its checkpoints, for any loop that resumes (the RL loop through `Run`; policy SFT, DPO and
+  M_exp SFT directly): takes the folder's lock, opens `checkpoints/` keeping `keep` steps, and knows, before anything
+  else is built, `resume` (the step the latest committed checkpoint ended; None: a fresh run) and `meta` (its JSON
+  state). It also holds the run's `Preemption` (`should_stop`). `restore`, `save` and `after_step` are the rest of
+  resuming and checkpointing a step loop."""
 
-  def __init__(self, cfg: RLConfig, config: Any, out_dir: str):
-    self.cfg, self.config, self.out = cfg, config, Path(out_dir)
+  def __init__(self, config: Any, out_dir: str | Path, keep: int | None):
+    self.config, self.out = config, Path(out_dir)
     # Before the checkpointer opens the folder (it removes unfinished steps) and before any file is written: a second
     # run on this folder is refused here.
     self.lock = lock_run_folder(self.out)
     try:
-      self.ckpt = RunCheckpointer(self.out / "checkpoints", keep=cfg.keep_checkpoints)
+      self.ckpt = RunCheckpointer(self.out / "checkpoints", keep=keep)
     except BaseException:
       self.lock.release()
       raise
+    self.preemption = Preemption().open()
     try:
       self.resume = self.ckpt.latest_step()
-      if self.resume is not None and self.resume > cfg.iterations:
-        raise ValueError(f"iterations is {cfg.iterations} but {self.out / 'checkpoints'} holds iteration "
-                         f"{self.resume}; raise iterations or use another out_dir")
       self.meta: dict[str, Any] = self.ckpt.meta(self.resume) if self.resume is not None else {}
-    except BaseException:  # an unreadable checkpoints folder, a bad setting: release the folder for the next try
+    except BaseException:  # an unreadable checkpoints folder: release the folder for the next try
       self.close()
       raise
 
+  def check_last(self, last: int, name: str) -> None:
+    """Refuses a checkpoint past the run's end (`last` steps, which the setting `name` decides)."""
+    if self.resume is not None and self.resume > last:
+      raise ValueError(f"{name} gives {last} steps but {self.out / 'checkpoints'} holds step {self.resume}; raise "
+                       f"{name} or use another out_dir")
+
+  def tracker(self, track: TrackConfig) -> Tracker:
+    """The run's tracker: on resume it continues the checkpoint's run id (W&B resumes that run) and metrics.jsonl
+    up to the checkpoint's step; a fresh run starts a new id and an empty metrics.jsonl."""
+    return Tracker(self.out, to_json(self.config), track, run_id=self.meta.get("tracker_run_id"),
+                   resume_step=self.resume)
+
+  def restore(self, like: Any) -> tuple[Any, dict[str, Any]]:
+    """(arrays, meta) of the step `resume` names, laid out as `like`; a step whose array data fails to read is set
+    aside and `ResumeAgain` raised (the command is built again from the step before: `resuming`)."""
+    try:
+      arrays, meta = self.ckpt.restore(self.resume, like=like)
+    except StepUnreadable as e:
+      if e.earlier is None:
+        raise
+      self.ckpt.set_aside(e.step, e.problem, e.earlier)
+      raise ResumeAgain(e.step, e.earlier) from None
+    changed = config_changes(meta.get("config", {}), to_json(self.config))
+    echo(f"resuming {self.out} after step {self.resume}" + (f" (config changed: {', '.join(changed)})" if changed
+                                                             else ""))
+    return arrays, meta
+
+  def save(self, step: int, arrays: Any, meta: dict[str, Any], tracker: Tracker) -> None:
+    """Starts saving checkpoint `step`: `arrays`, and `meta` with the tracker's run id and the config."""
+    self.ckpt.save(step, arrays, {**meta, "tracker_run_id": tracker.run_id, "config": to_json(self.config)})
+
+  def after_step(self, step: int, last: int, every: int, save: Callable[[int], None], what: str) -> None:
+    """A step loop's checkpoint point after `step` of `last`: `save(step)` every `every` steps (0: never) before the
+    last (the loop saves the last itself, after its final evaluation), and on a preemption notice, after which the
+    save is waited for and `Preempted` raised."""
+    stop = self.preemption.should_stop(step) and step < last  # every process asks at every step (preemption.py)
+    if stop or (every and step % every == 0 and step < last):
+      save(step)
+    if stop:
+      self.ckpt.wait()
+      raise Preempted(what, step, self.ckpt.folder)
+
   def close(self) -> None:
+    self.preemption.close()
     try:
       self.ckpt.close()  # waits for the last checkpoint to commit, so the lock outlives every write
     finally:
       self.lock.release()
 
-  def __enter__(self) -> Run:
+  def __enter__(self) -> RunFolder:
     return self
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+class Run(RunFolder):
+  """The RL loop's run folder: a `RunFolder` keeping `cfg.keep_checkpoints` steps, whose step is the iteration."""
+
+  def __init__(self, cfg: RLConfig, config: Any, out_dir: str):
+    super().__init__(config, out_dir, cfg.keep_checkpoints)
+    self.cfg = cfg
+    try:
+      self.check_last(cfg.iterations, "iterations")
+    except BaseException:
+      self.close()
+      raise
 
 
 def eval_row(iteration: int, counts: dict[str, int], result: dict[str, Any]) -> dict[str, Any]:
@@ -168,26 +233,16 @@ def run_iterations(run: Run, learner: PolicyLearner, tasks: TaskSource, env: Bat
   evals: list[dict[str, Any]] = []
   train_curve: list[tuple[int, int, float]] = []  # (iteration, transitions of the env's kind, rollout success)
   if run.resume is not None:
-    try:
-      arrays, meta = run.ckpt.restore(run.resume, like=_arrays(learner, hooks))
-    except StepUnreadable as e:
-      if e.earlier is None:
-        raise
-      # The hooks and the tracker were built from this step's meta: the whole command starts again (`resuming`).
-      run.ckpt.set_aside(e.step, e.problem, e.earlier)
-      raise ResumeAgain(e.step, e.earlier) from None
+    # The hooks and the tracker were built from this step's meta: an unreadable step restarts the whole command.
+    arrays, meta = run.restore(_arrays(learner, hooks))
     learner.load_checkpoint_arrays(arrays)
     for hook in hooks:
       hook.restore(arrays, meta)
     counts = {k: int(meta.get(k, 0)) for k in counts}
     evals, train_curve = list(meta["evals"]), [tuple(r) for r in meta["train_curve"]]
-    changed = config_changes(meta.get("config", {}), to_json(run.config))
-    echo(f"resuming {out} after iteration {run.resume}" + (f" (config changed: {', '.join(changed)})" if changed
-                                                          else ""))
   first = run.resume or 0
   title = ("DreamGym " if kind == "synthetic_transitions" else "") + f"{cfg.algorithm.upper()} on {cfg.env}"
-  with Tracker(out, to_json(run.config), cfg.track, run_id=run.meta.get("tracker_run_id"),
-               resume_step=run.resume) as tracker:
+  with run.tracker(cfg.track) as tracker:
     evals_path = out / "evals.jsonl" if tracker.primary else Path(os.devnull)  # one process writes the files
     if run.resume is None:
       evals_path.write_text("")
@@ -217,11 +272,10 @@ def run_iterations(run: Run, learner: PolicyLearner, tasks: TaskSource, env: Bat
             if sampled else "") + f" over {row['episodes']} tasks")
 
     def checkpoint(iteration: int) -> None:
-      meta = {"iteration": iteration, **counts, "evals": evals, "train_curve": train_curve,
-              "tracker_run_id": tracker.run_id, "config": to_json(run.config)}
+      meta = {"iteration": iteration, **counts, "evals": evals, "train_curve": train_curve}
       for hook in hooks:
         meta |= hook.checkpoint_meta()
-      run.ckpt.save(iteration, _arrays(learner, hooks), meta)
+      run.save(iteration, _arrays(learner, hooks), meta, tracker)
       plots()
 
     def spent() -> bool:
@@ -256,11 +310,12 @@ def run_iterations(run: Run, learner: PolicyLearner, tasks: TaskSource, env: Bat
         final = it + 1 == cfg.iterations or spent()
         if (cfg.eval_every and (it + 1) % cfg.eval_every == 0) or final:
           do_eval(it + 1)
-        if (cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0) or final:
-          checkpoint(it + 1)
         if final:
+          checkpoint(it + 1)
           break
-    save_model(learner.params, learner.model_cfg, model_folder, out / "final")  # every process: a gather
+        run.after_step(it + 1, cfg.iterations, cfg.checkpoint_every, checkpoint, f"{title} in {out}")
+    save_model(learner.params, learner.model_cfg, model_folder, out / "final",  # every process: gathers
+               dtype=export_dtype(learner.cfg))
     summary = {"algorithm": cfg.algorithm, "iterations": last, **counts, "initial": evals[0], "final": evals[-1],
                "evals": evals}
     for hook in hooks:
