@@ -211,11 +211,13 @@ def _child_env(cache: Path, port: int = 0, process_id: int = 0) -> dict[str, str
   return env
 
 
-def _run_children(root: Path, args: list[list[str]], reference: list[str] | None = None) -> list[dict]:
-  """Runs one child per argument list (process i gets args[i]) joined into one cluster, and, with `reference`, one
-  more child alone on 8 devices; returns their JSON reports (child i writes root/report{i}.json; the reference's comes
-  last). Past TIMEOUT_S, or as soon as any fails, the children still running are killed, and the output of each
-  failed or killed child is printed."""
+def _run_children(root: Path, args: list[list[str]], reference: list[str] | None = None,
+                  script: str = "distributed_child.py", timeout_s: float | None = None) -> list[dict]:
+  """Runs tests/`script` once per argument list (process i gets args[i]) joined into one cluster, and, with
+  `reference`, once more alone on 8 devices; returns their JSON reports (child i writes root/report{i}.json, its last
+  argument; the reference's comes last). Past `timeout_s` (default TIMEOUT_S), or as soon as any fails, the children
+  still running are killed, and the output of each failed or killed child is printed."""
+  timeout_s = timeout_s or TIMEOUT_S
   port = _free_port()
   runs = [(extra, _child_env(root / "jax_cache", port, i)) for i, extra in enumerate(args)]
   if reference is not None:
@@ -225,14 +227,14 @@ def _run_children(root: Path, args: list[list[str]], reference: list[str] | None
   try:
     for i, (extra, env) in enumerate(runs):
       logs.append(open(root / f"child{i}.log", "w"))
-      procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "distributed_child.py"), *extra,
+      procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / script), *extra,
                                      str(root / f"report{i}.json")], stdout=logs[i], stderr=subprocess.STDOUT,
                                     env=env, cwd=str(ROOT)))
     # Until all exit; one failing ends the wait at once (the other would block in a collective until JAX's heartbeat
     # timeout), and so does the deadline.
     while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
-      if time.monotonic() - start > TIMEOUT_S:
-        raise TimeoutError(f"the children ran past {TIMEOUT_S} s")
+      if time.monotonic() - start > timeout_s:
+        raise TimeoutError(f"the children ran past {timeout_s} s")
       time.sleep(0.2)
   finally:
     for p in procs:

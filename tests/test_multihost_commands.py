@@ -10,15 +10,12 @@ writes and the barrier after each stage, with real collect and eval stages."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from dreamjax.data.records import read_trajectories
-from tests.test_distributed import ROOT, _child_env, _free_port
+from tests.test_distributed import _run_children
 
 pytest.importorskip("textworld_express")
 
@@ -27,34 +24,8 @@ TIMEOUT_S = 900  # the three children together (~100 s alone on 2 cores); on tim
 
 def _run(root: Path) -> tuple[list[dict], dict]:
   """(the two cluster processes' reports, the single-process report); prints the output of any child that failed."""
-  port = _free_port()
-  runs = [(root / "dist", _child_env(root / "jax_cache", port, i)) for i in range(2)]
-  runs.append((root / "single", _child_env(root / "jax_cache_alone")))
-  procs, logs = [], []
-  start = time.monotonic()
-  try:
-    for i, (out, env) in enumerate(runs):
-      logs.append(open(root / f"child{i}.log", "w"))
-      procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "commands_child.py"), str(out),
-                                     str(root / f"report{i}.json")], stdout=logs[i], stderr=subprocess.STDOUT,
-                                    env=env, cwd=str(ROOT)))
-    # One failing ends the wait at once: the other cluster process would block in a collective.
-    while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
-      if time.monotonic() - start > TIMEOUT_S:
-        raise TimeoutError(f"the children ran past {TIMEOUT_S} s")
-      time.sleep(0.2)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-    for f in logs:
-      f.close()
-    failed = [i for i, p in enumerate(procs) if p.returncode != 0]
-    for i in failed:
-      print(f"--- child {i} (exit {procs[i].returncode}) ---\n" + (root / f"child{i}.log").read_text()[-6000:])
-  assert not failed, f"children {failed} failed (output above)"
-  reports = [json.loads((root / f"report{i}.json").read_text()) for i in range(3)]
+  reports = _run_children(root, [[str(root / "dist")]] * 2, [str(root / "single")], script="commands_child.py",
+                          timeout_s=TIMEOUT_S)
   return reports[:2], reports[2]
 
 

@@ -87,15 +87,14 @@ holders=\$(sudo lsof -t /dev/accel* /dev/vfio/[0-9]* 2> /dev/null); if [ -n \"\$
 TPU holders: \$holders\"; sudo kill -9 \$holders; fi; sudo rm -f /tmp/libtpu_lockfile"
 }
 
-# Prints the state of queued resource $TPU_NAME (state.state: WAITING_FOR_RESOURCES, PROVISIONING, ACTIVE,
-# SUSPENDING, SUSPENDED, FAILED, ...), or NOT_FOUND when there is none; fails on any other gcloud error. Uses the
-# caller's TPU_NAME, ZONE and extra (gcloud flags: --project) as the functions below do.
+# Prints the state of $TPU_NAME as `gcloud compute tpus $1 describe --format=$2` gives it, or NOT_FOUND when there
+# is none; fails on any other gcloud error. Uses the caller's TPU_NAME, ZONE and extra (gcloud flags: --project) as
+# the functions below do.
 # shellcheck disable=SC2154
-queued_state() {
+describe_state() {
   local out err rc=0
   err="$(mktemp)"
-  out="$(gcloud compute tpus queued-resources describe "$TPU_NAME" --zone="$ZONE" "${extra[@]}" \
-    --format='value(state.state)' 2> "$err")" || rc=$?
+  out="$(gcloud compute tpus "$1" describe "$TPU_NAME" --zone="$ZONE" "${extra[@]}" --format="$2" 2> "$err")" || rc=$?
   if ((rc)) && grep -q NOT_FOUND "$err"; then
     out=NOT_FOUND rc=0
   elif ((rc)); then
@@ -105,6 +104,11 @@ queued_state() {
   echo "$out"
   return "$rc"
 }
+
+# The queued resource's state (state.state: WAITING_FOR_RESOURCES, PROVISIONING, ACTIVE, SUSPENDING, SUSPENDED,
+# FAILED, ...) and the TPU VM's (READY, PREEMPTED, ...), or NOT_FOUND.
+queued_state() { describe_state queued-resources 'value(state.state)'; }
+node_state() { describe_state tpu-vm 'value(state)'; }
 
 # Polls queued resource $TPU_NAME every WAIT_INTERVAL seconds (default 30), printing each new state, until it is in
 # state $1 (ACTIVE, or NOT_FOUND once deleted); fails on SUSPENDING, SUSPENDED or FAILED (naming it) and after

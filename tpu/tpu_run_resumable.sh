@@ -54,22 +54,6 @@ recreate() {
   set_up
 }
 
-# Prints the TPU VM's state (READY, PREEMPTED, ...), or NOT_FOUND when there is none; fails on other gcloud errors.
-node_state() {
-  local out err rc=0
-  err="$(mktemp)"
-  out="$(gcloud compute tpus tpu-vm describe "$TPU_NAME" --zone="$ZONE" "${extra[@]}" --format='value(state)' \
-    2> "$err")" || rc=$?
-  if ((rc)) && grep -q NOT_FOUND "$err"; then
-    out=NOT_FOUND rc=0
-  elif ((rc)); then
-    cat "$err" >&2
-  fi
-  rm -f "$err"
-  echo "$out"
-  return "$rc"
-}
-
 # Succeeds (printing why) when the slice is gone or going: three looks, WAIT_INTERVAL seconds apart, since a
 # preemption can take a while to show. A failed look counts as healthy: a slice is never deleted on a guess.
 slice_lost() {

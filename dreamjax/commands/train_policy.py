@@ -155,16 +155,11 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, run: RunFolder, tracker: 
   key = jax.random.key(cfg.seed)
   state = create_train_state(model_cfg, params, optimizer, mesh)
   del params
-  step, history, evals = 0, [], []
   skips = SkipCounter(cfg.max_nonfinite_updates, "policy SFT")
-  if run.resume is not None:
-    run.check_last(total, "max_steps (or epochs)")
-    arrays, meta = run.restore({"state": state})
-    state, step, history, evals = arrays["state"], int(meta["step"]), meta["history"], meta["evals"]
-    skips.total, skips.streak = int(meta["skipped_updates"]), int(meta["nonfinite_streak"])
+  state, step, history, evals = run.resume_step_loop(state, skips, total)
 
   def save_state(at: int) -> None:
-    run.save(at, {"state": state}, {"step": at, "history": history, "evals": evals, **skips.check()}, tracker)
+    run.save_step_loop(at, state, history, evals, skips, tracker)
 
   try:
     if cfg.eval.at_start and run.resume is None:

@@ -55,6 +55,7 @@ from dreamjax.loop.model import save_model
 from dreamjax.loop.plots import learning_curve
 from dreamjax.loop.preemption import Preempted, Preemption
 from dreamjax.loop.track import TrackConfig, Tracker, echo, json_dumps, progress, to_json, truncate_jsonl
+from dreamjax.rl.update import SkipCounter
 from dreamjax.rollout.trajectory import Trajectories
 
 # Training curves drawn into metrics.svg (those a run logs; PPO adds vf_loss, GRPO kl).
@@ -176,6 +177,21 @@ class RunFolder:
   def save(self, step: int, arrays: Any, meta: dict[str, Any], tracker: Tracker) -> None:
     """Starts saving checkpoint `step`: `arrays`, and `meta` with the tracker's run id and the config."""
     self.ckpt.save(step, arrays, {**meta, "tracker_run_id": tracker.run_id, "config": to_json(self.config)})
+
+  def resume_step_loop(self, state: Any, skips: SkipCounter, last: int) -> tuple[Any, int, list, list]:
+    """(TrainState, step, logged rows, evaluations) a step loop of `last` steps starts from (policy SFT, DPO): the
+    checkpoint's on resume, its skip counts put back into `skips`; else `state` at step 0 with none."""
+    if self.resume is None:
+      return state, 0, [], []
+    self.check_last(last, "max_steps (or epochs)")
+    arrays, meta = self.restore({"state": state})
+    skips.total, skips.streak = int(meta["skipped_updates"]), int(meta["nonfinite_streak"])
+    return arrays["state"], int(meta["step"]), meta["history"], meta["evals"]
+
+  def save_step_loop(self, step: int, state: Any, history: list, evals: list, skips: SkipCounter,
+                     tracker: Tracker) -> None:
+    """Checkpoint `step` of a step loop: what `resume_step_loop` reads back."""
+    self.save(step, {"state": state}, {"step": step, "history": history, "evals": evals, **skips.check()}, tracker)
 
   def after_step(self, step: int, last: int, every: int, save: Callable[[int], None], what: str) -> None:
     """A step loop's checkpoint point after `step` of `last`: `save(step)` every `every` steps (0: never) before the
