@@ -50,7 +50,7 @@ from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.plots import success_bars
 from dreamjax.loop.results import ABLATIONS, ablation_method, budget_text
 from dreamjax.loop.track import TrackConfig, json_dumps, to_json
-from dreamjax.parallel import DistributedConfig, barrier, initialize, is_primary
+from dreamjax.parallel import DistributedConfig, barrier, from_primary, initialize, is_primary
 from dreamjax.rollout.agent import AgentFormat
 
 @dataclasses.dataclass(frozen=True)
@@ -185,9 +185,11 @@ def tracked(c: Any, group: str, job_type: str, name: str) -> Any:
 
 
 def _stage(folder: Path, marker: str, fn: Callable[[], Any]) -> dict[str, Any]:
-  """Runs `fn` unless `folder/marker` exists (a finished earlier run); returns that file's contents."""
+  """Runs `fn` unless `folder/marker` exists (a finished earlier run); returns that file's contents. With several
+  processes, process 0's view decides: the others could see the marker of a short stage process 0 already finished,
+  skip it and its collectives, and leave process 0 waiting in them."""
   path = folder / marker
-  if not path.is_file():
+  if not from_primary(path.is_file()):
     print(f"== {folder}", flush=True)
     fn()
     barrier(f"reproduce {folder}")  # process 0 writes the marker last; every process reads it

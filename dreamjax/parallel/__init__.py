@@ -4,6 +4,7 @@ from dreamjax.parallel.distributed import (
     DistributedConfig,
     barrier,
     check_same,
+    from_primary,
     initialize,
     is_primary,
     leaf_to_host,
@@ -24,6 +25,6 @@ from dreamjax.parallel.sharding import (
 
 __all__ = [
     "AXES", "DistributedConfig", "MeshConfig", "make_mesh", "SAMPLE_RULES", "TRAIN_RULES", "Rules", "barrier",
-    "check_same", "constrain", "initialize", "is_primary", "leaf_to_host", "logical_to_spec", "named_sharding", "spans_every_process", "to_devices",
+    "check_same", "constrain", "from_primary", "initialize", "is_primary", "leaf_to_host", "logical_to_spec", "named_sharding", "spans_every_process", "to_devices",
     "to_host", "tree_shardings",
 ]

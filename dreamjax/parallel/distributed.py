@@ -245,6 +245,17 @@ def barrier(name: str, host_work: bool = False) -> None:
                                                       timeout_in_ms=HOST_WORK_TIMEOUT_S * 1000)
 
 
+def from_primary(value: int) -> int:
+  """Process 0's `value` on every process (a collective every process must call; with one process, `value` itself):
+  for a decision all processes must take alike where only process 0's view is sure, as whether a file process 0
+  writes exists yet (another process may look before or after process 0 wrote it)."""
+  if jax.process_count() == 1:
+    return value
+  from jax.experimental import multihost_utils
+
+  return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+
 def to_devices(tree: Any, shardings: Any) -> Any:
   """`jax.device_put(tree, shardings)` for host (NumPy) arrays that every process holds whole and alike, as when all
   run the same program: each process places only its own devices' blocks. `device_put` itself would first all-gather
