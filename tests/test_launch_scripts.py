@@ -11,6 +11,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -324,8 +325,11 @@ def test_tpu_run_stops_every_worker_when_one_fails(fake_gcloud):
 def test_tpu_run_interrupted_stops_every_worker(fake_gcloud):
   fake_gcloud.set("runs", "wait wait")
   env = {**os.environ, **fake_gcloud.env, "WORKERS": "2", "GRACE": "5"}
+  # As from a terminal: a pytest started in the background (nohup ... &) ignores SIGINT, a child would inherit that,
+  # and bash cannot trap a signal ignored when it starts.
   proc = subprocess.Popen(["bash", str(TPU / "tpu_run.sh"), "rl", "configs/grpo_real_twx.py:tiny"], cwd=ROOT, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
   deadline = time.monotonic() + 20
   while fake_gcloud.calls().count("ssh 0 run") + fake_gcloud.calls().count("ssh 1 run") < 2:
     assert time.monotonic() < deadline
