@@ -82,9 +82,8 @@ stop_all() {  # frees the TPU on every worker, then ends the local ssh sessions 
   run "${ssh[@]}" --worker=all "${extra[@]}" --command="$(free_tpu_command "$grace")" < /dev/null ||
     echo "tpu_run.sh: stopping the run failed on some worker (one that is gone?)" >&2
   local pid
-  for pid in "${pids[@]}"; do  # each session's subshell and what it runs (the ssh pipeline)
-    pkill -TERM -P "$pid" 2> /dev/null || true
-    kill -TERM "$pid" 2> /dev/null || true
+  for pid in "${pids[@]}"; do
+    kill -TERM -- "-$pid" 2> /dev/null || true
   done
 }
 
@@ -97,8 +96,7 @@ for ((i = 0; i < workers; i++)); do
   DRY_RUN=1 run "${ssh[@]}" --worker="$i" "${extra[@]}" \
     --command="set -o pipefail && $start && $job 2>&1 | tee -a $log"
   [[ "${DRY_RUN:-0}" == 1 ]] && continue
-  # No `set -m` (own process groups): bash ignores SIGINT while job control is on, so a Ctrl-C then would be lost.
-  # Without it the sessions, started in the background, ignore a terminal's Ctrl-C and this script's trap stops them.
+  set -m  # each session in its own process group: stop_all ends it whole, and Ctrl-C reaches only this script
   (
     rc=0
     "${ssh[@]}" --worker="$i" "${extra[@]}" --command="set -o pipefail && $start && $job 2>&1 | tee -a $log" \
@@ -106,6 +104,7 @@ for ((i = 0; i < workers; i++)); do
     echo "$rc" > "$status_dir/$i.tmp" && mv "$status_dir/$i.tmp" "$status_dir/$i"
   ) &
   pids+=($!)
+  set +m
 done
 [[ "${DRY_RUN:-0}" == 1 ]] && exit 0
 
