@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml tools/install_system_deps.sh
 	$(PIP) install --upgrade pip setuptools wheel
 	# ALFWorld's planner runs a bare `python` in its build script, which pip's isolated build environment breaks.
 	$(PIP) install --no-build-isolation fast-downward-textworld==20.6.4
-	$(PIP) install -e '.[dev,envs]'
+	$(PIP) install -e '.[dev,envs,gcs]'
 	touch $(STAMP)
 
 demo: $(STAMP)

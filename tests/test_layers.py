@@ -8,7 +8,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "dreamjax"
 
 # Lowest first. A package may import packages of strictly lower layers only.
 LAYERS = (
-    ("parallel", "text", "config"),
+    ("parallel", "text", "config", "storage"),
     ("models", "envs"),
     ("sampling", "data"),
     ("rollout",),

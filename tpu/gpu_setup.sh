@@ -37,6 +37,6 @@ for host in "${host_list[@]}"; do
   fi
   echo "$host: installing dreamjax with jax[cuda12]==$version"
   run ssh "$host" "set -euo pipefail && cd ~/$remote_dir && (test -x .venv/bin/python || ${PYTHON:-python3.11} -m venv \
-.venv) && .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q -e . 'jax[cuda12]==$version' \
+.venv) && .venv/bin/pip install -q --upgrade pip && .venv/bin/pip install -q -e '.[gcs]' 'jax[cuda12]==$version' \
 ${PIP_EXTRA:-textworld-express==1.1.0} && .venv/bin/python -c 'import jax; print(jax.__version__, jax.local_devices())'"
 done

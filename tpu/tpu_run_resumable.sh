@@ -4,8 +4,8 @@
 # (SUSPENDING, SUSPENDED, FAILED, gone) or the TPU VM is PREEMPTED or TERMINATED, it deletes the queued resource,
 # requests it again, waits until it is ACTIVE, sets the new slice up (tpu/tpu_setup.sh, then PREPARE on every worker)
 # and runs the same command again, which resumes from the checkpoints in its run folder. A new slice has empty disks,
-# so out_dir must be on storage that outlives the slice (a Filestore share or a gcsfuse-mounted bucket that PREPARE
-# mounts): a run folder on a worker's disk is lost with it, and the command would start over.
+# so out_dir must be on storage that outlives the slice (a Filestore share that PREPARE mounts; checkpoints may go to
+# a bucket, checkpoint_dir=gs://...): a run folder on a worker's disk is lost with it, and the command would start over.
 # It starts from whatever it finds: no queued resource (it creates and sets one up), one still waiting for capacity
 # (it waits, then sets it up), an ACTIVE one (used as it is: set it up first), a SUSPENDED or FAILED one (recreated).
 # Keep it running where it outlives your session (tmux, or nohup ... &); tpu/tpu_stop.sh stops the run (the workers

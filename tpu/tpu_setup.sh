@@ -37,5 +37,5 @@ echo "installing Python 3.11, Java 17 and dreamjax with jax[tpu]==$version on ev
 run "${ssh_all[@]}" --command="set -euo pipefail && cd ~/$remote_dir && sudo apt-get update -qq && \
 sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3.11 python3.11-venv openjdk-17-jre-headless && \
 (test -x .venv/bin/python || python3.11 -m venv .venv) && .venv/bin/pip install -q --upgrade pip && \
-.venv/bin/pip install -q -e . 'jax[tpu]==$version' ${PIP_EXTRA:-textworld-express==1.1.0} && \
+.venv/bin/pip install -q -e '.[gcs]' 'jax[tpu]==$version' ${PIP_EXTRA:-textworld-express==1.1.0} && \
 .venv/bin/python -c 'import jax; print(jax.__version__, jax.local_devices())'"

@@ -44,7 +44,8 @@ import jax
 import numpy as np
 
 from dreamjax.data.records import read_trajectory_files
-from dreamjax.loop.config import RunConfig, check_settings, export_dtype, run_mesh, start_run
+from dreamjax.loop.config import (RunConfig, check_settings, checkpoint_folder, export_dtype, export_folder, run_mesh,
+                                   start_run)
 from dreamjax.loop.evaluate import EvalConfig, Evaluator, evaluate_and_log, format_eval, training_tasks
 from dreamjax.loop.model import load_model, save_model
 from dreamjax.loop.policy_data import PairConfig, PreferencePair, preference_pairs
@@ -161,7 +162,8 @@ def run(cfg: DpoConfig, env=None) -> dict[str, Any]:
 
 def _run(cfg: DpoConfig, env) -> dict[str, Any]:
   t_start = time.perf_counter()
-  with RunFolder(cfg, cfg.out_dir, cfg.keep_checkpoints) as run_folder, run_folder.tracker(cfg.track) as tracker:
+  run_folder = RunFolder(cfg, cfg.out_dir, cfg.keep_checkpoints, checkpoint_folder(cfg))
+  with run_folder, run_folder.tracker(cfg.track) as tracker:
     return _train(cfg, env, run_folder, tracker, t_start)
 
 
@@ -237,7 +239,8 @@ def _train(cfg: DpoConfig, env, run: RunFolder, tracker: Tracker, t_start: float
       save_state(step)
   finally:
     evaluator.close()
-  checkpoint = save_model(state.params, model_cfg, cfg.checkpoint, out / "checkpoint", dtype=export_dtype(cfg))
+  checkpoint = save_model(state.params, model_cfg, cfg.checkpoint, export_folder(cfg, "checkpoint"),
+                          dtype=export_dtype(cfg))
   first, last = history[0], history[-1]
   summary = {
       "checkpoint": str(checkpoint), "reference": cfg.checkpoint, "pairs": pair_stats, "steps": step,

@@ -109,6 +109,14 @@ class ReproduceConfig:
     if wrong:
       raise ValueError(f"ReproduceConfig: eval.env is {self.eval.env!r} but {', '.join(f'{k}.env is {v!r}' for k, v in wrong.items())}; "
                        f"point every stage at one env (dreamjax.commands.reproduce.on_env does)")
+    # Every stage and seed gets a folder of its own under out_dir; one checkpoint_dir or export_dir would be shared.
+    stages = {"exp": self.exp, "sft": self.sft, "dpo": self.dpo, "real": self.real,
+              "dreamgym.rl": self.dreamgym and self.dreamgym.rl}
+    for name, stage in stages.items():
+      for field in ("checkpoint_dir", "export_dir"):
+        if stage is not None and getattr(stage, field):
+          raise ValueError(f"ReproduceConfig: {name}.{field} must be empty: reproduce puts each stage's checkpoints "
+                           f"and model in the stage's own folder under out_dir")
 
 
 def on_env(cfg: ReproduceConfig, *, env: str, env_kwargs: tuple[str, ...], agent: AgentFormat,

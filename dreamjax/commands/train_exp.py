@@ -73,7 +73,7 @@ from dreamjax.experience.sft_data import (
     corpus,
     split_by_task,
 )
-from dreamjax.loop.config import RunConfig, export_dtype, run_mesh, start_run
+from dreamjax.loop.config import RunConfig, checkpoint_folder, export_dtype, export_folder, run_mesh, start_run
 from dreamjax.loop.model import ModelSource, prepare_model, save_model
 from dreamjax.loop.run import RunFolder, resuming
 from dreamjax.loop.track import Tracker, echo, json_dumps, progress, to_json
@@ -220,7 +220,8 @@ def run(cfg: ExpSftConfig) -> dict[str, Any]:
 
 def _run(cfg: ExpSftConfig) -> dict[str, Any]:
   t0 = time.perf_counter()
-  with RunFolder(cfg, cfg.out_dir, cfg.keep_checkpoints) as run_folder, run_folder.tracker(cfg.track) as tracker:
+  run_folder = RunFolder(cfg, cfg.out_dir, cfg.keep_checkpoints, checkpoint_folder(cfg))
+  with run_folder, run_folder.tracker(cfg.track) as tracker:
     return _train(cfg, run_folder, tracker, t0)
 
 
@@ -300,7 +301,8 @@ def _train(cfg: ExpSftConfig, run: RunFolder, tracker: Tracker, t0: float) -> di
                                                    if isinstance(v, float) and k in _SHOWN))
       run.after_step(step, total, cfg.checkpoint_every, save_state, f"M_exp SFT in {out}")
   skips.check()
-  checkpoint = save_model(state.params, model_cfg, init_folder, out / "checkpoint", dtype=export_dtype(cfg))
+  checkpoint = save_model(state.params, model_cfg, init_folder, export_folder(cfg, "checkpoint"),
+                          dtype=export_dtype(cfg))
   meta = {"format": to_json(cfg.format), "max_len": cfg.max_len, "max_new_tokens": max_new,
           "retrieval_encoder": cfg.retrieval_encoder, "encoder_folder": str(init_folder), "env": records[0].env}
   if tracker.primary:

@@ -54,7 +54,8 @@ import numpy as np
 
 from dreamjax.data.records import read_trajectory_files
 from dreamjax.envs.base import BatchEnv
-from dreamjax.loop.config import RunConfig, check_settings, export_dtype, run_mesh, start_run
+from dreamjax.loop.config import (RunConfig, check_settings, checkpoint_folder, export_dtype, export_folder, run_mesh,
+                                   start_run)
 from dreamjax.loop.evaluate import EvalConfig, Evaluator, evaluate_and_log, format_eval, training_tasks
 from dreamjax.loop.model import ModelSource, prepare_model, save_model
 from dreamjax.loop.policy_data import RowConfig, TurnRow, policy_texts, sft_rows
@@ -124,7 +125,8 @@ def run(cfg: PolicySftConfig, env: BatchEnv | None = None) -> dict[str, Any]:
 
 def _run(cfg: PolicySftConfig, env: BatchEnv | None) -> dict[str, Any]:
   t_start = time.perf_counter()
-  with RunFolder(cfg, cfg.out_dir, cfg.keep_checkpoints) as run_folder, run_folder.tracker(cfg.track) as tracker:
+  run_folder = RunFolder(cfg, cfg.out_dir, cfg.keep_checkpoints, checkpoint_folder(cfg))
+  with run_folder, run_folder.tracker(cfg.track) as tracker:
     return _train(cfg, env, run_folder, tracker, t_start)
 
 
@@ -190,7 +192,8 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, run: RunFolder, tracker: 
       save_state(step)
   finally:
     evaluator.close()
-  checkpoint = save_model(state.params, model_cfg, model_dir, out / "checkpoint", dtype=export_dtype(cfg))
+  checkpoint = save_model(state.params, model_cfg, model_dir, export_folder(cfg, "checkpoint"),
+                          dtype=export_dtype(cfg))
   summary = {
       "checkpoint": str(checkpoint), "init_model": str(model_dir), "rows": row_stats, "steps": step,
       "offline_transitions": sum(r.num_steps for r in records),

@@ -19,6 +19,7 @@ from dreamjax.parallel import SAMPLE_RULES
 from dreamjax.replay.encoder import BackbonePooledEncoder, make_encoder
 from dreamjax.replay.index import make_index
 from dreamjax.replay.retriever import Retriever
+from dreamjax.storage import local_copy
 from dreamjax.text import load_tokenizer
 
 META_FILE = "exp_model.json"
@@ -53,6 +54,7 @@ def load_exp_model(folder: str, *, reasoning: bool, replay: bool, dtype: str, me
   folder's is an error, so an ablation table cannot silently mix M_exp models up, and a DreamGym run (whose
   SyntheticEnv needs the actions block) never gets an M_exp that lists no admissible actions; so is `replay` against
   the folder's retrieval switch (the "w/o replay" row's M_exp is trained without retrieval)."""
+  folder = str(local_copy(folder, "DreamGymConfig.exp_model")) if folder else folder  # a gs:// folder: a local copy
   meta_path = Path(folder) / META_FILE
   if not folder or not meta_path.is_file():
     raise ValueError(f"DreamGymConfig.exp_model: {folder} has no {META_FILE}; give a checkpoint folder written by "

@@ -31,6 +31,10 @@ committed step; the caller may `set_aside` the step and use that one (the RL loo
 error, it can restore as wrong numbers. A state that went bad in training never reaches the disk: `save` refuses arrays
 holding a NaN or an infinity (naming the leaf), so `keep` rotation never pushes the last good step out for a bad one.
 
+The folder may be a URI (`gs://bucket/run/checkpoints`, `dreamjax.storage`): orbax reaches it through etils.epath
+and TensorStore, and commits with its marker file, which object stores allow; only `set_aside`'s rename becomes a copy
+and a delete there.
+
 Restoring onto a tree that does not match the checkpoint (other leaves, shapes or dtypes) raises a ValueError naming
 the folder, the step and the first differing paths, rather than orbax's silent dtype casts or deep tracebacks.
 
@@ -60,6 +64,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from dreamjax.parallel import barrier, is_primary
 from dreamjax.rl.train_state import nonfinite_leaves
+from dreamjax.storage import is_uri, storage_path
 
 _COMMIT = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
 _SHOWN = 5  # mismatching paths named in an error
@@ -204,7 +209,8 @@ class RunCheckpointer:
   def __init__(self, folder: str | Path, keep: int | None = 3):
     if keep is not None and keep < 1:
       raise ValueError(f"RunCheckpointer: keep must be >= 1 (or None for all), got {keep}")
-    self.folder = Path(folder).absolute()
+    # A local folder (made absolute: orbax wants that) or a URI such as gs://bucket/run/checkpoints.
+    self.folder = storage_path(folder if is_uri(folder) else Path(folder).absolute())
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True,
                                            atomicity_options=_COMMIT)
     handlers = {"arrays": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),

@@ -17,6 +17,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from dreamjax.loop.track import TrackConfig
 from dreamjax.parallel import DistributedConfig, MeshConfig, initialize, make_mesh, spans_every_process
+from dreamjax.storage import check_remote, require_local
 
 # Overrides RunConfig.compilation_cache "auto" for every run of a process tree (tests/conftest.py sets "off").
 CACHE_ENV = "DREAMJAX_COMPILATION_CACHE"
@@ -41,6 +42,22 @@ class RunConfig:
   # The dtype of the trained model's HF export: "" keeps the parameters' own (exact: float32 weights stay float32);
   # "bfloat16" halves the files and the bytes each leaf's gather moves, at bfloat16 rounding of the weights.
   export_dtype: str = ""
+  # Where checkpoints go: "" is <out_dir>/checkpoints. May be a URI (gs://bucket/run/checkpoints); out_dir itself must
+  # stay on POSIX storage (dreamjax.storage). Rerun with the same value to resume.
+  checkpoint_dir: str = ""
+  # Where the trained model's HF folder goes: "" is inside out_dir (final/ for RL, checkpoint/ for SFT, DPO and M_exp
+  # SFT). May be a URI; loading it back stages a local copy.
+  export_dir: str = ""
+
+
+def checkpoint_folder(cfg: RunConfig) -> str:
+  """The folder `cfg.checkpoint_dir` names (see RunConfig)."""
+  return cfg.checkpoint_dir or str(Path(cfg.out_dir) / "checkpoints")
+
+
+def export_folder(cfg: RunConfig, default: str) -> str:
+  """The folder `cfg.export_dir` names, `default` inside out_dir when it is empty (see RunConfig)."""
+  return cfg.export_dir or str(Path(cfg.out_dir) / default)
 
 
 def compilation_cache_dir(cfg: RunConfig) -> str | None:
@@ -63,6 +80,10 @@ def start_run(cfg: RunConfig) -> None:
   spans every process) and points JAX's persistent compilation cache at the run's folder. JAX reads its cache
   setting once per process, so a change (reproduce runs its stages in one process) resets it."""
   export_dtype(cfg)  # checked now, not after training
+  name = type(cfg).__name__
+  require_local(cfg.out_dir, f"{name}.out_dir")
+  check_remote(cfg.checkpoint_dir, f"{name}.checkpoint_dir")
+  check_remote(cfg.export_dir, f"{name}.export_dir")
   initialize(cfg.distributed)
   path = compilation_cache_dir(cfg)
   if path is not None and path != jax.config.jax_compilation_cache_dir:

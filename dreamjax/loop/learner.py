@@ -56,7 +56,7 @@ from dreamjax.loop.evaluate import evaluate, greedy_rollout, unparsed_rows
 from dreamjax.loop.model import ModelSource, prepare_model
 from dreamjax.loop.track import echo
 from dreamjax.models import ModelConfig, tiny
-from dreamjax.models.params import in_compute_dtype
+from dreamjax.models.params import in_compute_dtype, unstack_layers
 from dreamjax.parallel import TRAIN_RULES, check_same
 from dreamjax.rl.batch import TokenBatch, rl_batch
 from dreamjax.rl.critic import Critic, CriticConfig, critic_metrics, explained_variance
@@ -343,9 +343,15 @@ class PolicyLearner:
   def sampling_params(self):
     """The policy's parameters as the sampler wants them: laid out for sampling (which may shard differently from
     training) and in the compute dtype, which samples the same tokens from half the bytes in a bfloat16 run
-    (`in_compute_dtype`). With float32 compute and one layout these are the state's own arrays, no copy."""
+    (`in_compute_dtype`). With float32 compute and one layout these are the state's own arrays, no copy. Stacked
+    layers (`ModelConfig.scan_layers`) come unrolled, as KV-cache decoding needs them: a copy, cast first so a
+    bfloat16 run never holds a float32 one."""
     shardings = None if self.mesh is None else self.engine.sampler.param_shardings()
-    if jnp.dtype(self.model_cfg.dtype) != jnp.dtype(self.model_cfg.param_dtype):
+    cast = jnp.dtype(self.model_cfg.dtype) != jnp.dtype(self.model_cfg.param_dtype)
+    if self.model_cfg.scan_layers:
+      params = in_compute_dtype(self.state.params, self.model_cfg) if cast else self.state.params
+      return unstack_layers(params, self.model_cfg, shardings)
+    if cast:
       return in_compute_dtype(self.state.params, self.model_cfg, shardings)
     return self.state.params if shardings is None else jax.device_put(self.state.params, shardings)
 

@@ -28,6 +28,9 @@ EOPNOTSUPP) the file's holder is checked instead: a live pid on this host, or an
 checked from here), refuses the run; a dead local pid or an empty file is taken over. That fallback has a small race
 window and cannot tell a crashed run on another host from a live one: delete the `.lock` file of a run known to be
 gone. Where flock silently locks per host, runs started on different hosts are not kept apart.
+
+Object stores. A URI (`gs://...`) is refused as a run folder, and a newly locked folder is probed for appends, exclusive
+creates and directory renames (`dreamjax.storage`): a mount lacking one is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from dreamjax.storage import check_posix_folder, require_local
 
 LOCK_FILE = ".lock"
 _UNSUPPORTED = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
@@ -179,9 +184,16 @@ def _acquire(folder: Path, path: Path) -> tuple[str, _Held | None]:
       _held[key].depth += 1
       return "", _held[key]
     try:
-      held = _held[key] = _Held(_lock_file(folder, path))
+      held = _Held(_lock_file(folder, path))
     except RunFolderLocked as e:
       return str(e), None
+    try:  # a folder on storage that cannot hold a run is refused before anything is written into it
+      check_posix_folder(folder)
+    except ValueError:
+      os.ftruncate(held.fd, 0)  # names no holder, as a released lock
+      os.close(held.fd)
+      raise
+    _held[key] = held
     return "", held
 
 
@@ -226,7 +238,7 @@ def lock_run_folder(folder: str | Path) -> RunLock:
   """Takes the exclusive lock of `folder` (created if missing) for this run, before anything in it is written; raises
   RunFolderLocked naming the holder when another live process holds it. In a multi-process run only process 0 locks
   (and creates the folder); every process must call this at the same point, and all raise when process 0 is refused."""
-  folder = Path(folder)
+  folder = require_local(folder, "run folder")
   path = folder / LOCK_FILE
   index, count = _processes()
   message, held = "", None

@@ -20,6 +20,7 @@ import jax
 from dreamjax.models import ModelConfig, init_params, load_hf_checkpoint, save_hf_checkpoint, tiny
 from dreamjax.parallel import TRAIN_RULES, Rules, barrier, is_primary
 from dreamjax.rl.train_state import nonfinite_leaves
+from dreamjax.storage import local_copy, storage_path
 from dreamjax.text import Tokenizer, load_tokenizer, train_bpe_tokenizer
 from dreamjax.text.tokenizer import REQUIRED_FILES as TOKENIZER_FILES
 
@@ -37,6 +38,9 @@ class ModelSource:
   dtype: str = "float32"  # activations and matmuls: "bfloat16" for mixed precision
   remat: str = "none"  # rematerialisation of each layer in the backward pass: "none", "full" or "dots"
   attention_chunk: int = 512  # queries per attention block (ModelConfig.attention_chunk)
+  # Train with the layers stacked and scanned (ModelConfig.scan_layers): one layer to compile instead of all of them;
+  # the sampler still gets an unrolled copy, and the exported HF folder is the same.
+  scan_layers: bool = False
 
   def __post_init__(self):
     if self.dtype not in ("float32", "bfloat16"):
@@ -50,13 +54,15 @@ class ModelSource:
 
   def overrides(self) -> dict[str, Any]:
     """What `load_model` applies over the checkpoint's own config."""
-    return {"dtype": self.dtype, "remat": self.remat, "attention_chunk": self.attention_chunk}
+    return {"dtype": self.dtype, "remat": self.remat, "attention_chunk": self.attention_chunk,
+            "scan_layers": self.scan_layers}
 
 
 def check_model_folder(folder: str | Path, what: str = "model folder") -> Path:
   """`folder` when it holds what `load_model` reads (config.json, *.safetensors or their index, the tokenizer files);
-  else a one-line FileNotFoundError naming `what`, the folder and the missing files."""
-  path = Path(folder)
+  else a one-line FileNotFoundError naming `what`, the folder and the missing files. A URI (gs://...) is staged into a
+  local folder first (`dreamjax.storage.local_copy`), which is what is returned and read."""
+  path = local_copy(folder, what)
   if not path.is_dir():
     raise FileNotFoundError(f"{what}: {str(path)!r} does not exist or is not a folder")
   weights = (path / "model.safetensors.index.json").is_file() or any(path.glob("*.safetensors"))
@@ -86,7 +92,7 @@ def prepare_model(source: ModelSource, init_folder: str | Path, texts: Callable[
   always, with `rebuild`) and reused by reruns in the same folder. Process 0 alone builds; every process meets the
   barrier, then loads the folder (it must be on a filesystem every process sees)."""
   source.check()
-  folder = Path(source.checkpoint or init_folder)
+  folder = local_copy(source.checkpoint) if source.checkpoint else Path(init_folder)
   if not source.checkpoint:
     if is_primary() and (rebuild or not (folder / "config.json").is_file()):
       build_tiny_checkpoint(dataclasses.replace(source, value_head=source.value_head or value_head), texts(), folder,
@@ -101,7 +107,7 @@ def load_model(folder: str | Path, *, value_head: bool = False, mesh=None, rules
                seed: int = 0, overrides: Mapping[str, Any] | None = None) -> tuple[ModelConfig, Any, Tokenizer]:
   """(config, params, tokenizer) from an HF folder; a value head is added zero-initialised when asked and absent.
   `overrides` (ModelConfig fields, e.g. `ModelSource.overrides()`) replace the checkpoint config's."""
-  check_model_folder(folder)  # the tokenizer too, before the weights are read
+  folder = check_model_folder(folder)  # the tokenizer too, before the weights are read
   cfg, params = load_hf_checkpoint(folder, mesh=mesh, rules=rules, **(overrides or {}))
   if value_head and not cfg.value_head:
     cfg = cfg.replace(value_head=True)
@@ -114,10 +120,12 @@ def save_model(params: Any, cfg: ModelConfig, tokenizer_folder: str | Path, fold
                dtype: str | None = None) -> Path:
   """Saves a trained model as an HF folder, leaf by leaf in `dtype` (None: the parameters' own; see
   `save_hf_checkpoint`): every process takes part in each leaf's gather (a collective), process 0 alone writes. No
-  device holds more than one leaf in full beyond its shards, so the export fits wherever training did."""
-  folder = Path(folder)
+  device holds more than one leaf in full beyond its shards, so the export fits wherever training did. `folder` may be a
+  URI (gs://...), `tokenizer_folder` too (read through its staged copy)."""
+  folder = storage_path(folder)
   bad = nonfinite_leaves(params)  # every process: a collective, like the gathers below
   if bad:
     raise ValueError(f"save_model ({folder}): refusing to export non-finite weights: {bad[0]!r} holds NaN or infinity"
                      + (f" (and {len(bad) - 1} more leaves)" if len(bad) > 1 else ""))
-  return save_hf_checkpoint(params, cfg, folder, tokenizer_folder=tokenizer_folder, dtype=dtype, write=is_primary())
+  return save_hf_checkpoint(params, cfg, folder, tokenizer_folder=local_copy(tokenizer_folder), dtype=dtype,
+                            write=is_primary())

@@ -12,8 +12,9 @@ what is left (`RolloutEngine.run`'s `max_env_steps`; cut episodes are left out o
 
 Outputs in `out_dir`: config.json, metrics.jsonl (one row per iteration), evals.jsonl (each evaluation with per-task
 outcomes), summary.json, learning_curve.svg (held-out success against iterations and transitions), metrics.svg
-(training curves), checkpoints/ (the last `keep_checkpoints`), the final policy as an HF folder `final/`, and what the
-hooks write. With `track.wandb` "online" or "offline" the metrics also go to Weights & Biases.
+(training curves), checkpoints/ (the last `keep_checkpoints`; or `checkpoint_dir`, which may be a gs:// bucket), the
+final policy as an HF folder `final/` (or `export_dir`), and what the hooks write. With `track.wandb` "online" or
+"offline" the metrics also go to Weights & Biases.
 
 Checkpoints and resume. Every `checkpoint_every` iterations (and after the last) the learner's arrays (train state,
 frozen reference, root key), the hooks' arrays and, as JSON, the counters, evaluations, the tracker's run id, the
@@ -48,7 +49,7 @@ from typing import Any, Protocol, TypeVar
 
 from dreamjax.envs.base import BatchEnv, Task
 from dreamjax.loop.checkpoint import RunCheckpointer, StepUnreadable
-from dreamjax.loop.config import export_dtype
+from dreamjax.loop.config import checkpoint_folder, export_dtype, export_folder
 from dreamjax.loop.learner import PolicyLearner, RLConfig
 from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.model import save_model
@@ -129,13 +130,13 @@ class RunFolder:
   state). It also holds the run's `Preemption` (`should_stop`). `restore`, `save` and `after_step` are the rest of
   resuming and checkpointing a step loop."""
 
-  def __init__(self, config: Any, out_dir: str | Path, keep: int | None):
+  def __init__(self, config: Any, out_dir: str | Path, keep: int | None, checkpoints: str | Path | None = None):
     self.config, self.out = config, Path(out_dir)
     # Before the checkpointer opens the folder (it removes unfinished steps) and before any file is written: a second
     # run on this folder is refused here.
     self.lock = lock_run_folder(self.out)
     try:
-      self.ckpt = RunCheckpointer(self.out / "checkpoints", keep=keep)
+      self.ckpt = RunCheckpointer(checkpoints or self.out / "checkpoints", keep=keep)
     except BaseException:
       self.lock.release()
       raise
@@ -150,7 +151,7 @@ class RunFolder:
   def check_last(self, last: int, name: str) -> None:
     """Refuses a checkpoint past the run's end (`last` steps, which the setting `name` decides)."""
     if self.resume is not None and self.resume > last:
-      raise ValueError(f"{name} gives {last} steps but {self.out / 'checkpoints'} holds step {self.resume}; raise "
+      raise ValueError(f"{name} gives {last} steps but {self.ckpt.folder} holds step {self.resume}; raise "
                        f"{name} or use another out_dir")
 
   def tracker(self, track: TrackConfig) -> Tracker:
@@ -222,7 +223,7 @@ class Run(RunFolder):
   """The RL loop's run folder: a `RunFolder` keeping `cfg.keep_checkpoints` steps, whose step is the iteration."""
 
   def __init__(self, cfg: RLConfig, config: Any, out_dir: str):
-    super().__init__(config, out_dir, cfg.keep_checkpoints)
+    super().__init__(config, out_dir, cfg.keep_checkpoints, checkpoint_folder(cfg))
     self.cfg = cfg
     try:
       self.check_last(cfg.iterations, "iterations")
@@ -330,13 +331,13 @@ def run_iterations(run: Run, learner: PolicyLearner, tasks: TaskSource, env: Bat
           checkpoint(it + 1)
           break
         run.after_step(it + 1, cfg.iterations, cfg.checkpoint_every, checkpoint, f"{title} in {out}")
-    save_model(learner.params, learner.model_cfg, model_folder, out / "final",  # every process: gathers
-               dtype=export_dtype(learner.cfg))
+    exported = save_model(learner.params, learner.model_cfg, model_folder, export_folder(cfg, "final"),
+                          dtype=export_dtype(learner.cfg))  # every process: gathers
     summary = {"algorithm": cfg.algorithm, "iterations": last, **counts, "initial": evals[0], "final": evals[-1],
                "evals": evals}
     for hook in hooks:
       summary |= hook.finish(out)
-    summary |= {"seconds": time.perf_counter() - start, "checkpoint": str(out / "final"), "resumed_from": run.resume,
+    summary |= {"seconds": time.perf_counter() - start, "checkpoint": str(exported), "resumed_from": run.resume,
                 "run_id": tracker.run_id}
     tracker.summary(summary)
     plots()

@@ -51,6 +51,10 @@ class ModelConfig:
   # Queries per attention block: longer inputs attend block by block, each block's scores recomputed in the backward
   # pass, so float32 scores never exceed [block, keys] per head (0: one block, whatever the length).
   attention_chunk: int = 512
+  # Layers stored stacked (one `layers` entry, a leading layer axis) and run by `nn.scan`: one layer's program to trace
+  # and compile instead of num_layers. Cache-free forwards only (training, scoring); decoding keeps unrolled layers
+  # (`dreamjax.models.params.unstack_layers`). A layout, not an architecture: never written to config.json.
+  scan_layers: bool = False
 
   def __post_init__(self):
     if self.family not in _ARCHITECTURES:
@@ -63,6 +67,8 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.remat must be 'none', 'full' or 'dots', got {self.remat!r}")
     if self.attention_chunk < 0:
       raise ValueError(f"ModelConfig.attention_chunk must be >= 0 (0: no chunking), got {self.attention_chunk}")
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"ModelConfig.scan_layers must be True or False, got {self.scan_layers!r}")
 
   def replace(self, **kw) -> ModelConfig:
     return dataclasses.replace(self, **kw)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import shutil
 from pathlib import Path
 
 import flax.linen as nn
@@ -18,12 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
+from safetensors.numpy import save as save_tensors
 from safetensors.numpy import save_file
 
 from dreamjax.models.config import ModelConfig, load_hf_config, to_hf_config
 from dreamjax.models.params import abstract_params
 from dreamjax.parallel.distributed import leaf_to_host
 from dreamjax.parallel.sharding import TRAIN_RULES, Rules, tree_shardings
+from dreamjax.storage import is_uri, storage_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 _VALUE_HEAD_FILE = "value_head.safetensors"  # not an HF tensor: kept beside the checkpoint so round trips keep it
@@ -159,11 +160,19 @@ def load_hf_checkpoint(
     key = "/".join(p.key for p in path)
     if key == "value_head":
       return _load_value_head(folder, shape_dtype, sharding)
-    mp = maps[key]
-    if tuple(tensor(mp.hf_name).get_shape()) != mp.hf_shape:
-      raise ValueError(f"{folder}: tensor {mp.hf_name!r} has shape {tensor(mp.hf_name).get_shape()}, "
-                       f"config.json implies {mp.hf_shape}")
-    callback = lambda index: _read(tensor(mp.hf_name), mp, index).astype(shape_dtype.dtype)  # noqa: E731
+    # A stacked leaf ("layers/attn/q", `ModelConfig.scan_layers`) holds every layer's tensor on a leading axis: each
+    # device's block is read layer by layer from the files, so no unrolled copy is ever built.
+    stacked = key.startswith("layers/")
+    layer_maps = [maps[f"layers_{i}/{key[7:]}"] for i in range(cfg.num_layers)] if stacked else [maps[key]]
+    for mp in layer_maps:
+      if tuple(tensor(mp.hf_name).get_shape()) != mp.hf_shape:
+        raise ValueError(f"{folder}: tensor {mp.hf_name!r} has shape {tensor(mp.hf_name).get_shape()}, "
+                         f"config.json implies {mp.hf_shape}")
+    read = lambda mp, index: _read(tensor(mp.hf_name), mp, index).astype(shape_dtype.dtype)  # noqa: E731
+    if stacked:
+      callback = lambda index: np.stack([read(mp, index[1:]) for mp in layer_maps[index[0]]])  # noqa: E731
+    else:
+      callback = lambda index: read(layer_maps[0], index)  # noqa: E731
     return jax.make_array_from_callback(shape_dtype.shape, sharding, callback)
 
   params = jax.tree_util.tree_map_with_path(build, shapes, shardings)
@@ -183,6 +192,43 @@ def _to_hf(value: np.ndarray, mp: _Map) -> np.ndarray:
   return np.ascontiguousarray(value.transpose(inverse).reshape(mp.hf_shape))
 
 
+@dataclasses.dataclass(frozen=True)
+class _LayerSlice:
+  """Layer `i` of a stacked leaf (`ModelConfig.scan_layers`), cut on its devices only when the export writes it, so a
+  stacked model's export still moves one layer's tensor at a time, as an unrolled one's does."""
+
+  stacked: jax.Array
+  i: int
+
+  @property
+  def dtype(self):
+    return self.stacked.dtype
+
+
+def _per_layer(flat: dict, cfg: ModelConfig) -> dict:
+  """Leaves by our unrolled paths ("layers_3/attn/q"), whichever layout `flat` holds (the tree's, whatever
+  `cfg.scan_layers` says): the HF files have one tensor per layer either way."""
+  if not any(k.startswith("layers/") for k in flat):
+    return flat
+  out = {k: v for k, v in flat.items() if not k.startswith("layers/")}
+  out.update({f"layers_{i}/{k[7:]}": _LayerSlice(v, i) for k, v in flat.items() if k.startswith("layers/")
+              for i in range(cfg.num_layers)})
+  return out
+
+
+def _array(leaf):
+  return leaf.stacked[leaf.i] if isinstance(leaf, _LayerSlice) else leaf
+
+
+def _write_tensors(tensors: dict[str, np.ndarray], path, metadata: dict[str, str] | None = None) -> None:
+  """One safetensors file: written in place on a local disk; built in memory and written once to an object store,
+  which cannot be written piecewise."""
+  if is_uri(path):
+    path.write_bytes(save_tensors(tensors, metadata=metadata))
+  else:
+    save_file(tensors, path, metadata=metadata)
+
+
 def save_hf_checkpoint(
     params, cfg: ModelConfig, folder: str | Path, tokenizer_folder: str | Path | None = None,
     max_shard_bytes: int = 2**31, dtype: str | None = None, write: bool = True,
@@ -193,9 +239,10 @@ def save_hf_checkpoint(
   keeps the parameters' dtype) and at most one safetensors file's tensors are held at once, so neither a device nor
   the host ever holds the whole model (files are planned from the shapes before anything moves). With several
   processes every process calls this on the same tree (each leaf's fetch may be a collective) and only the one with
-  `write` writes files."""
-  folder = Path(folder)
+  `write` writes files. `folder` may be a URI (gs://...: `dreamjax.storage`)."""
+  folder = storage_path(folder)
   flat = {"/".join(p.key for p in path): v for path, v in jax.tree_util.tree_leaves_with_path(params)}
+  flat = _per_layer(flat, cfg)
   itemsize = {key: jnp.dtype(dtype or v.dtype).itemsize for key, v in flat.items()}
   files: list[list[tuple[str, str, _Map]]] = [[]]  # per file: (HF name, our key, map), in the maps' order
   size = 0
@@ -212,15 +259,15 @@ def save_hf_checkpoint(
     folder.mkdir(parents=True, exist_ok=True)
   total = 0
   for name, entries in zip(names, files):
-    shard = {hf_name: _to_hf(leaf_to_host(flat[key], dtype), mp) for hf_name, key, mp in entries}
+    shard = {hf_name: _to_hf(leaf_to_host(_array(flat[key]), dtype), mp) for hf_name, key, mp in entries}
     total += sum(a.nbytes for a in shard.values())
     if write:
-      save_file(shard, folder / name, metadata={"format": "pt"})
+      _write_tensors(shard, folder / name, metadata={"format": "pt"})
     del shard  # one file's tensors at a time on the host
   if cfg.value_head:
     head = leaf_to_host(flat["value_head"], dtype)
     if write:
-      save_file({"value_head.weight": head}, folder / _VALUE_HEAD_FILE)
+      _write_tensors({"value_head.weight": head}, folder / _VALUE_HEAD_FILE)
   if not write:
     return folder
   if len(files) > 1:
@@ -235,5 +282,5 @@ def save_hf_checkpoint(
     for name in TOKENIZER_FILES:
       src = Path(tokenizer_folder) / name
       if src.is_file():
-        shutil.copy(src, folder / name)
+        (folder / name).write_bytes(src.read_bytes())
   return folder

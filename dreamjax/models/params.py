@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -52,3 +54,74 @@ def in_compute_dtype(params, cfg: ModelConfig, shardings=None):
 
   fn = lambda p: jax.tree_util.tree_map_with_path(cast, p)  # noqa: E731
   return jax.jit(fn, out_shardings=shardings)(params) if shardings is not None else jax.jit(fn)(params)
+
+
+# Stacked (`ModelConfig.scan_layers`) <-> unrolled layers. The same weights either way: training and scoring may run
+# the scanned stack, while decoding with KV caches and the HF files keep one entry per layer.
+
+def _is_box(x) -> bool:
+  return isinstance(x, nn.Partitioned)
+
+
+def _stack(*xs):
+  if _is_box(xs[0]):
+    return xs[0].replace(value=_stack(*(x.value for x in xs)), names=("layers", *xs[0].names))
+  if isinstance(xs[0], jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
+  return jnp.stack(xs)
+
+
+def _take(x, i: int):
+  if _is_box(x):
+    return x.replace(value=_take(x.value, i), names=tuple(x.names[1:]))
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+  return x[i]
+
+
+def _stack_tree(params, num_layers: int):
+  if "layers" in params or "layers_0" not in params:
+    raise ValueError("stack_layers: the parameters are not unrolled (no `layers_0` entry); already stacked?")
+  names = [f"layers_{i}" for i in range(num_layers)]
+  rest = {k: v for k, v in params.items() if k not in names}
+  return {**rest, "layers": jax.tree.map(_stack, *(params[n] for n in names), is_leaf=_is_box)}
+
+
+def _unstack_tree(params, num_layers: int):
+  if "layers" not in params:
+    raise ValueError("unstack_layers: the parameters are not stacked (no `layers` entry); already unrolled?")
+  rest = {k: v for k, v in params.items() if k != "layers"}
+  return {**rest, **{f"layers_{i}": jax.tree.map(lambda x, i=i: _take(x, i), params["layers"], is_leaf=_is_box)
+                     for i in range(num_layers)}}
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted(convert, num_layers: int, leaves: tuple | None = None, treedef=None):
+  # One jitted conversion per (direction, layer count, target layout): a learner unstacking every iteration compiles
+  # once, and one program does every slice rather than one eager dispatch per layer and leaf.
+  fn = functools.partial(convert, num_layers=num_layers)
+  return jax.jit(fn) if treedef is None else jax.jit(fn, out_shardings=jax.tree.unflatten(treedef, leaves))
+
+
+def _convert(convert, params, cfg: ModelConfig, shardings):
+  if shardings is not None:
+    leaves, treedef = jax.tree.flatten(shardings)
+    return _jitted(convert, cfg.num_layers, tuple(leaves), treedef)(params)
+  if all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
+    return _jitted(convert, cfg.num_layers)(params)
+  return convert(params, num_layers=cfg.num_layers)  # boxes or ShapeDtypeStructs: nothing to compute
+
+
+def stack_layers(params, cfg: ModelConfig, shardings=None):
+  """Unrolled parameters (`layers_0` ... `layers_{L-1}`) in the layout of `cfg.replace(scan_layers=True)`: one `layers`
+  entry whose leaves carry a leading layer axis; the other entries pass through. Pure (fine under jit), and also takes
+  boxed trees (`nn.LogicallyPartitioned` arrays or ShapeDtypeStructs, as `abstract_params`), adding the axis name
+  "layers". Arrays convert in one jitted program (cached), laid out by `shardings` when given (the stacked tree's,
+  e.g. `param_shardings(cfg)`), so a sharded tree converts on its devices; else where XLA puts them."""
+  return _convert(_stack_tree, params, cfg, shardings)
+
+
+def unstack_layers(params, cfg: ModelConfig, shardings=None):
+  """The inverse of `stack_layers`: stacked parameters in the unrolled layout of `cfg.replace(scan_layers=False)`,
+  which KV-cache forwards (the sampler) need; exact (slices of the same values). `shardings` as in `stack_layers`."""
+  return _convert(_unstack_tree, params, cfg, shardings)

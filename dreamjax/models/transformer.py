@@ -3,6 +3,11 @@
 Layers are unrolled, each with its own parameters (`layers_0`, ...) and its own KV-cache arrays: a scanned stack made
 XLA slice every layer's weights and copy its cache on every decode step (measured 2.7x slower decode on CPU), and the
 per-layer layout is also HF's, so checkpoints map one tensor to one parameter.
+`ModelConfig.scan_layers` is the training layout: the same `Block` under `nn.scan` over parameters stored stacked (one
+`layers` entry, leading axis "layers"), so tracing and compiling cost one layer rather than `num_layers` (the update
+step of 32 small layers on CPU: trace 6-10x and XLA compile 2.5-4x faster; steps ~1.2x slower without remat, as fast
+with remat "full"; experiments/bench/scan_layers.py). It serves cache-free forwards only, and
+`dreamjax.models.params.stack_layers` / `unstack_layers` convert between the two layouts.
 Every parameter carries logical axis names; `dreamjax.parallel` maps them to mesh axes.
 
 Attention masking is expressed in cache *slots*: a query in slot q sees key slot k iff k <= q and the key is valid.
@@ -241,8 +246,18 @@ class Transformer(nn.Module):
     block = Block
     if cfg.remat != "none":
       block = nn.remat(Block, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    if cfg.scan_layers:
+      if cache is not None:
+        raise ValueError("Transformer: stacked layers (ModelConfig.scan_layers=True) serve cache-free forwards only; "
+                         "for a KV-cache forward unstack first: dreamjax.models.params.unstack_layers(params, cfg) "
+                         "with cfg.replace(scan_layers=False)")
+      # One Block's program for every layer: params get a leading layer axis ("layers", never sharded), the hidden
+      # state is the carry, and everything else is the same for every layer.
+      stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=cfg.num_layers,
+                      in_axes=(nn.broadcast,) * 5, metadata_params={nn.PARTITION_NAME: "layers"})
+      x, _ = stack(cfg, name="layers")(x, None, positions, q_slots, key_valid, cache_index)
     new_k, new_v = [], []
-    for i in range(cfg.num_layers):
+    for i in range(0 if cfg.scan_layers else cfg.num_layers):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i])
       x, layer_cache = block(cfg, name=f"layers_{i}")(x, layer_cache, positions, q_slots, key_valid, cache_index)
       if cache is not None:

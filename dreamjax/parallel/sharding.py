@@ -23,6 +23,7 @@ Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 _COMMON: Rules = (
     ("batch", ("data", "fsdp")),
+    ("layers", None),  # stacked layers (ModelConfig.scan_layers): each device holds every layer's shard
     ("seq", None),
     ("cache_seq", None),
     ("norm", None),

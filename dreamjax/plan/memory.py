@@ -180,9 +180,12 @@ def _is_box(x) -> bool:
 @functools.lru_cache(maxsize=64)
 def param_specs(cfg: ModelConfig) -> tuple[ParamSpec, ...]:
   """Every parameter of the model, in the tree's (sorted) order: `abstract_params`' leaves, unboxed as
-  `tree_shardings` unboxes them (an `nn.Partitioned` box's names are the logical axes; a bare leaf is replicated)."""
+  `tree_shardings` unboxes them (an `nn.Partitioned` box's names are the logical axes; a bare leaf is replicated).
+  Always the unrolled layout ("layers_3/attn/q"): stacked layers (`scan_layers`) hold the same bytes with the layer
+  axis never sharded, and are exported and gathered layer by layer all the same."""
   out = []
-  for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params(cfg), is_leaf=_is_box):
+  for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_params(cfg.replace(scan_layers=False)),
+                                                        is_leaf=_is_box):
     value = leaf.value if _is_box(leaf) else leaf
     axes = tuple(leaf.names) if _is_box(leaf) else (None,) * len(value.shape)
     out.append(ParamSpec(jax.tree_util.keystr(path, simple=True, separator="/"), tuple(value.shape), axes,

@@ -380,6 +380,9 @@ class Sampler:
 
   def __init__(self, cfg: ModelConfig, max_new_tokens: int, pad_id: int = 0, mesh: jax.sharding.Mesh | None = None,
                rules: Rules = SAMPLE_RULES, speculative: SpeculativeConfig | None = None):
+    # Decoding writes per-layer KV caches: unrolled layers whatever the training layout (ModelConfig.scan_layers;
+    # PolicyLearner.sampling_params unstacks the weights).
+    cfg = cfg.replace(scan_layers=False)
     self.cfg, self.max_new_tokens, self.pad_id, self.mesh, self.rules = cfg, max_new_tokens, pad_id, mesh, rules
     self.speculative = speculative or SpeculativeConfig()
     if self.speculative.draft_tokens:
