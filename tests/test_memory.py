@@ -278,3 +278,157 @@ def test_export_holds_a_block_per_device_not_the_model():
         held = analysis.output_size_in_bytes + analysis.temp_size_in_bytes
         assert analysis.output_size_in_bytes == (stop - start) * math.prod(spec.shape[1:]) * jnp.dtype(dtype).itemsize
         assert held <= planned, (spec.path, dtype, start, stop, held, planned)
+
+
+# The supervised commands (policy SFT, M_exp SFT, DPO): `plan_policy_sft`, `plan_exp_sft`, `plan_dpo`.
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_sft_step_plan_tracks_xla_on_the_mesh(micro):
+  """The step phase of M_exp SFT's plan (configs/train_exp_twx.py at a small shape on the fake 8-device mesh, fsdp 4 x
+  tensor 2: parameters, AdamW, gradients, one micro-batch's activations) against the compiled SFT train step
+  (`make_train_step` with the "sft" objective, as train_exp runs it): XLA's arguments (the donated state and the
+  batch) plus its temporaries, per device: 1.10x measured with one micro-batch (2 rows per device), 1.01x with
+  two (1 row). The Predictor's decoding copy, live in the phase too, is not the step's and is left out."""
+  from dreamjax.rl.objectives import make_objective
+  from dreamjax.rl.update import make_train_step
+
+  sizes = {"data": 1, "fsdp": 4, "tensor": 2}
+  mesh = make_mesh(MeshConfig(**sizes), jax.devices()[:8])
+  cfg = load_config(ROOT / "configs/train_exp_twx.py", ["batch_size=8", f"micro_batches={micro}", "max_len=256",
+                                                        "mesh.fsdp=4", "mesh.tensor=2"])
+  model = tiny(**_CALIBRATION, attention_chunk=64)
+  plan = memory.plan_exp_sft(cfg, model, sizes)
+  optimizer = make_optimizer(cfg.optim)
+  step = make_train_step(model, make_objective("sft"), optimizer, micro_batches=cfg.micro_batches, mesh=mesh)
+  shardings = train_state_shardings(model, optimizer, mesh)
+  params = nn.unbox(abstract_params(model))
+  abstract = TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                        opt_state=jax.eval_shape(optimizer.init, params))
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+  rows, length = cfg.batch_size, cfg.max_len
+  dtypes = dict(tokens=jnp.int32, positions=jnp.int32, valid=bool, pair=jnp.int32, chosen=bool)
+  batch = jax.tree.map(lambda s, name: jax.ShapeDtypeStruct((rows,) if name in ("pair", "chosen") else (rows, length),
+                                                            dtypes.get(name, jnp.float32), sharding=s),
+                       step._batch_shardings, TokenBatch(**{f: f for f in TokenBatch.__dataclass_fields__}))
+  key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+  # score_len = length: every position projected, the plan's case (SFT rows with fewer answer tokens need less).
+  with jax.set_mesh(mesh), nn.logical_axis_rules(TRAIN_RULES):
+    analysis = step._fn.lower(state, batch, key, length).compile().memory_analysis()
+  measured = analysis.argument_size_in_bytes + analysis.temp_size_in_bytes
+  estimate = plan.peak("step") - sum(line.bytes for line in plan.lines if "Predictor" in line.name)
+  assert 0.95 * measured <= estimate <= 1.2 * measured, (estimate / 2**20, measured / 2**20)
+
+
+# What a documented command sets that leaves memory as it is (paths, the learning rate, the annotation check).
+_MEMORY_NEUTRAL = ("model.checkpoint", "out_dir", "annotations", "require_teacher_annotations", "optim.lr")
+
+
+def _docstring_step_plans(path: Path) -> list[tuple[list[str], list[str], str]]:
+  """(the documented `dreamjax train-exp|train-policy|dpo` command's words, the memory_plan arguments indented under
+  it, the table) for each supervised step of a config's docstring that carries its memory table."""
+  text = path.read_text()
+  found = re.findall(r"^       (dreamjax (?:train-exp|train-policy|dpo) (?:.*\\\n)*.*)\n"
+                     r"(?:(?!       dreamjax).*\n){0,3}?( +)python tools/memory_plan\.py ((?:.*\\\n)*.*)\n\n"
+                     r"((?:.+\n)+)\n", text, re.M)
+  return [(shlex.split(command.replace("\\\n", " ")), shlex.split(args.replace("\\\n", " ")),
+           "\n".join(line.removeprefix(indent) for line in table.splitlines()))
+          for command, indent, args, table in found]
+
+
+def _sets(words: list[str]) -> set[str]:
+  return {words[i + 1] for i, w in enumerate(words) if w == "--set"}
+
+
+@pytest.mark.parametrize("path", SCALE, ids=lambda p: p.name)
+def test_scale_config_sft_tables_are_current_and_fit(path, monkeypatch):
+  """Every documented SFT step of a scale config carries the table of the memory_plan command under it, and that
+  command plans the documented one: the same config and every --set that changes memory."""
+  steps = _docstring_step_plans(path)
+  documented = re.findall(r"^       dreamjax (train-exp|train-policy|dpo) ", path.read_text(), re.M)
+  assert len(steps) == len(documented) >= 1, f"{path.name}: an SFT step without its memory table"
+  monkeypatch.chdir(ROOT)
+  for command, args, written in steps:
+    assert args[args.index("--config") + 1] == command[command.index("--config") + 1]
+    wanted = {s for s in _sets(command) if s.split("=", 1)[0] not in _MEMORY_NEUTRAL}
+    assert wanted <= _sets(args), f"{path.name}: {command[1]}'s plan lacks {wanted - _sets(args)}"
+    plan, hbm = _tool().build_plan(args)
+    fresh = plan.table(hbm)
+    assert fresh == written, f"{path.name}: the {command[1]} memory table is stale; the tool now prints:\n{fresh}"
+    assert hbm and max(plan.peaks().values()) <= 0.9 * hbm * memory.GIB, f"{path.name} {command[1]}: over 90%"
+
+
+def test_llama3b_tpu_sft_steps_fit_a_v4_chip(monkeypatch):
+  """The M_exp SFT of Llama-3.1-8B and the policy SFT of Llama-3.2-3B documented before
+  configs/scale/dreamgym_llama3b_tpu.py (fsdp 4 x tensor 8 on a v4-64, micro_batches 8) stay under a v4 chip's 32 GiB
+  in every phase (an issue measured the M_exp step at about 32.7 GiB when the export still gathered whole leaves)."""
+  monkeypatch.chdir(ROOT)
+  steps = {command[1]: (command, args) for command, args, _ in
+           _docstring_step_plans(ROOT / "configs/scale/dreamgym_llama3b_tpu.py")}
+  assert set(steps) == {"train-exp", "train-policy"}
+  for name, arch, role in (("train-exp", "llama-3.1-8b", "M_exp"), ("train-policy", "llama-3.2-3b", "policy")):
+    command, args = steps[name]
+    assert {"mesh.fsdp=4", "mesh.tensor=8", "micro_batches=8"} <= _sets(command)
+    plan, hbm = _tool().build_plan(args)
+    assert hbm == 32.0 and plan.sizes == {"data": 1, "fsdp": 4, "tensor": 8}
+    assert plan.models == ((role, memory.published_config(arch).replace(
+        **load_config(ROOT / command[command.index("--config") + 1]).model.overrides())),)
+    assert {"load", "step", "export"} <= set(plan.phases)
+    for phase, peak in plan.peaks().items():
+      assert peak < 32 * memory.GIB, (name, phase, peak / memory.GIB)
+
+
+def test_supervised_plans_count_what_the_commands_hold():
+  """Phases and lines of the three supervised plans: AdamW exists from the train state on; DPO scores its reference
+  with the loaded weights before that and keeps no second copy; M_exp SFT's Predictor holds a decoding copy from the
+  step on; with fsdp = 1 the layouts coincide and evaluation copies nothing."""
+  llama = memory.published_config("llama-3.2-3b")
+  sizes = {"data": 1, "fsdp": 8, "tensor": 1}
+  dpo = load_config(ROOT / "configs/dpo_twx.py", ["mesh.fsdp=8"])
+  plan = memory.plan_supervised(dpo, llama, sizes)
+  assert plan.phases == ("load", "reference", "step", "eval", "export")
+  assert not [line for line in plan.lines if "reference" in line.phases and line.bytes and
+              not line.name.startswith(("policy params (train", "reference scoring"))]
+  assert not any(line.name.startswith("reference params") for line in plan.lines)
+  # One micro-batch: every pair with both episodes at the turn limit (800 rows, a multiple of fsdp 8).
+  assert dpo.micro_batches == 1 and memory.dpo_batch_rows(dpo, sizes) == dpo.pairs_per_step * 2 * dpo.rollout.max_turns
+  small = memory.plan_dpo(dpo, llama, sizes, batch_rows=64)
+  assert small.peak("step") < plan.peak("step") and small.peak("eval") == plan.peak("eval")
+  with pytest.raises(ValueError, match=r"DpoConfig.batch_rows \(12\) must be a multiple of micro_batches"):
+    memory.plan_dpo(dpo, llama, sizes, batch_rows=12)
+
+  exp = load_config(ROOT / "configs/train_exp_twx.py", ["mesh.fsdp=8", "micro_batches=4"])
+  plan = memory.plan_supervised(exp, llama, sizes)
+  assert memory.supervised_kind(exp) == "exp_sft" and plan.models[0][0] == "M_exp"
+  copy = memory.param_bytes(llama, sizes, SAMPLE_RULES)  # float32, as the Predictor device_puts it
+  assert plan.peak("reshard") - plan.peak("export") == copy - memory.export_bytes(llama)
+  whole = memory.plan_exp_sft(exp, llama, {"data": 1, "fsdp": 1, "tensor": 8})
+  assert all(line.bytes == 0 for line in whole.lines if "decoding" in line.name)
+
+  sft = load_config(ROOT / "configs/train_policy_twx.py", ["mesh.fsdp=8"])
+  plan = memory.plan_supervised(sft, llama, sizes)
+  assert memory.supervised_kind(sft) == "policy_sft" and plan.phases == ("load", "step", "eval", "export")
+  assert plan.peak("load") == memory.param_bytes(llama, sizes, TRAIN_RULES)
+  assert memory.supervised_kind(load_config(ROOT / "configs/grpo_real_twx.py")) is None
+  with pytest.raises(ValueError, match=r"PolicySftConfig.batch_size \(32\) must be a multiple of micro_batches \(3\)"):
+    memory.plan_policy_sft(load_config(ROOT / "configs/train_policy_twx.py", ["micro_batches=3"]), llama, ONE)
+
+
+def test_tool_plans_the_supervised_commands(capsys):
+  tool = _tool()
+  exp = ["--config", str(ROOT / "configs/train_exp_twx.py"), "--devices", "8"]
+  plan, _ = tool.build_plan(exp + ["--arch", "exp=llama-3.2-1b", "--remat", "full"])
+  assert plan.models[0][0] == "M_exp" and plan.models[0][1].remat == "full" and plan.sizes["fsdp"] == 8
+  assert tool.main(exp + ["--arch", "policy=llama-3.2-1b"]) == 2
+  assert "a ExpSftConfig trains one model, given as --arch exp=NAME" in capsys.readouterr().err
+  assert tool.main(exp) == 2
+  assert "model.checkpoint is 'checkpoints/Llama-3.2-3B-Instruct', which has no config.json here; give --arch exp=" \
+      in capsys.readouterr().err
+  assert tool.main(exp + ["--arch", "exp=llama-3.2-1b", "--dpo-batch-rows", "8"]) == 2
+  assert "--dpo-batch-rows: only for a DpoConfig" in capsys.readouterr().err
+  dpo = ["--config", str(ROOT / "configs/dpo_twx.py"), "--devices", "8", "--arch", "policy=llama-3.2-1b"]
+  assert tool.main(dpo + ["--set", "mesh.fsdp=8", "--dpo-batch-rows", "64"]) == 0
+  out = capsys.readouterr().out
+  assert "(DpoConfig)" in out and "peak reference" in out and "(8 rows/device x 2112, per micro-batch)" in out
+  tiny_plan, _ = tool.build_plan(["--config", str(ROOT / "configs/train_policy_twx.py:tiny")])
+  assert tiny_plan.models[0][1].hidden_size == 128 and tiny_plan.sizes == ONE

@@ -16,10 +16,61 @@ worker (CKPT):
          --set out_dir=runs/exp_sft/twx_llama8b --set mesh.fsdp=4 --set mesh.tensor=8 \
          --set micro_batches=8 \
          --set annotations=runs/collect/twx/annotations.teacher.jsonl --set require_teacher_annotations=true
+         Memory per device of this step (what tools/memory_plan.py prints; tests/test_memory.py recomputes
+         it from this command):
+           python tools/memory_plan.py --config configs/train_exp_twx.py --accelerator v4 --arch exp=llama-3.1-8b \
+             --set mesh.fsdp=4 --set mesh.tensor=8 --set micro_batches=8
+
+           configs/train_exp_twx.py (ExpSftConfig)
+           mesh data=1 fsdp=4 tensor=8 (32 devices)
+           M_exp: 8.030B params, float32 weights, float32 compute, remat none
+           component                                           GiB/device  live in
+           M_exp params (train layout)                               0.94  all
+           AdamW moments (2 x params dtype)                          1.87  step,reshard,eval_score,eval_decode,export
+           gradients (f32 accumulator + one in dtype)                1.87  step
+           activations (1 rows/device x 3072, per micro-batch)       9.12  step
+           M_exp params for decoding (float32, Predictor's)          3.74  step,reshard,eval_score,eval_decode,export
+           M_exp decoding copy being replaced                        3.74  reshard
+           held-out scoring forward (16 rows x 3072)                 0.91  eval_score
+           M_exp KV cache (16 rows x 6144 slots)                     0.75  eval_decode
+           M_exp prefill (16 rows x 3072)                            0.91  eval_decode
+           export: one block of a leaf gathered whole                0.38  export
+           peak load                                                 0.94
+           peak step                                                17.54
+           peak reshard                                             10.29
+           peak eval_score                                           7.46
+           peak eval_decode                                          8.21
+           peak export                                               6.92
+           fits in 32 GiB per device (55% at the peak)
+
        dreamjax train-policy --config configs/train_policy_twx.py --set model.checkpoint=$CKPT/Llama-3.2-3B-Instruct \
          --set out_dir=runs/policy_sft/twx_llama3b --set mesh.fsdp=4 --set mesh.tensor=8 --set optim.lr=1e-5 \
          --set micro_batches=8 --set agent.think=true \
          --set rollout.max_action_tokens=512
+         Memory per device of this step (what tools/memory_plan.py prints; tests/test_memory.py recomputes
+         it from this command):
+           python tools/memory_plan.py --config configs/train_policy_twx.py --accelerator v4 \
+             --arch policy=llama-3.2-3b --set mesh.fsdp=4 --set mesh.tensor=8 --set micro_batches=8 \
+             --set agent.think=true --set rollout.max_action_tokens=512
+
+           configs/train_policy_twx.py (PolicySftConfig)
+           mesh data=1 fsdp=4 tensor=8 (32 devices)
+           policy: 3.213B params, float32 weights, float32 compute, remat none
+           component                                           GiB/device  live in
+           policy params (train layout)                              0.37  all
+           AdamW moments (2 x params dtype)                          0.75  step,eval,export
+           gradients (f32 accumulator + one in dtype)                0.75  step
+           activations (1 rows/device x 2560, per micro-batch)       4.77  step
+           policy params for sampling (float32, as trained)          1.50  eval
+           policy KV cache (16 rows x 2560 slots)                    0.27  eval
+           policy prefill (16 rows x 2048)                           0.44  eval
+           export: one block of a leaf gathered whole                0.37  export
+           peak load                                                 0.37
+           peak step                                                 6.65
+           peak eval                                                 3.33
+           peak export                                               1.50
+           fits in 32 GiB per device (21% at the peak)
+
 Run:   dreamjax dreamgym --config configs/scale/dreamgym_llama3b_tpu.py
        tpu/tpu_run.sh dreamgym configs/scale/dreamgym_llama3b_tpu.py          (from your workstation: every worker)
 Tiny (CPU; the same pipeline at test size, see configs/dreamgym_twx.py):

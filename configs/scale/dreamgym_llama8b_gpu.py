@@ -16,10 +16,61 @@ HF folders on every host:
          --set out_dir=runs/exp_sft/twx_llama8b --set mesh.fsdp=2 --set mesh.tensor=8 \
          --set micro_batches=16 \
          --set annotations=runs/collect/twx/annotations.teacher.jsonl --set require_teacher_annotations=true
+         Memory per device of this step (what tools/memory_plan.py prints; tests/test_memory.py recomputes
+         it from this command):
+           python tools/memory_plan.py --config configs/train_exp_twx.py --accelerator h100 --arch exp=llama-3.1-8b \
+             --set mesh.fsdp=2 --set mesh.tensor=8 --set micro_batches=16
+
+           configs/train_exp_twx.py (ExpSftConfig)
+           mesh data=1 fsdp=2 tensor=8 (16 devices)
+           M_exp: 8.030B params, float32 weights, float32 compute, remat none
+           component                                           GiB/device  live in
+           M_exp params (train layout)                               1.87  all
+           AdamW moments (2 x params dtype)                          3.74  step,reshard,eval_score,eval_decode,export
+           gradients (f32 accumulator + one in dtype)                3.74  step
+           activations (1 rows/device x 3072, per micro-batch)       9.15  step
+           M_exp params for decoding (float32, Predictor's)          3.74  step,reshard,eval_score,eval_decode,export
+           M_exp decoding copy being replaced                        3.74  reshard
+           held-out scoring forward (16 rows x 3072)                 1.83  eval_score
+           M_exp KV cache (16 rows x 6144 slots)                     1.50  eval_decode
+           M_exp prefill (16 rows x 3072)                            1.83  eval_decode
+           export: one block of a leaf gathered whole                0.38  export
+           peak load                                                 1.87
+           peak step                                                22.25
+           peak reshard                                             13.09
+           peak eval_score                                          11.18
+           peak eval_decode                                         12.68
+           peak export                                               9.73
+           fits in 72 GiB per device (31% at the peak)
+
        dreamjax train-policy --config configs/train_policy_twx.py --set model.checkpoint=$CKPT/Llama-3.1-8B-Instruct \
          --set out_dir=runs/policy_sft/twx_llama8b --set mesh.fsdp=2 --set mesh.tensor=8 --set optim.lr=1e-5 \
          --set micro_batches=16 --set agent.think=true \
          --set rollout.max_action_tokens=512
+         Memory per device of this step (what tools/memory_plan.py prints; tests/test_memory.py recomputes
+         it from this command):
+           python tools/memory_plan.py --config configs/train_policy_twx.py --accelerator h100 \
+             --arch policy=llama-3.1-8b --set mesh.fsdp=2 --set mesh.tensor=8 --set micro_batches=16 \
+             --set agent.think=true --set rollout.max_action_tokens=512
+
+           configs/train_policy_twx.py (PolicySftConfig)
+           mesh data=1 fsdp=2 tensor=8 (16 devices)
+           policy: 8.030B params, float32 weights, float32 compute, remat none
+           component                                           GiB/device  live in
+           policy params (train layout)                              1.87  all
+           AdamW moments (2 x params dtype)                          3.74  step,eval,export
+           gradients (f32 accumulator + one in dtype)                3.74  step
+           activations (1 rows/device x 2560, per micro-batch)       7.67  step
+           policy params for sampling (float32, as trained)          3.74  eval
+           policy KV cache (16 rows x 2560 slots)                    0.62  eval
+           policy prefill (16 rows x 2048)                           1.22  eval
+           export: one block of a leaf gathered whole                0.38  export
+           peak load                                                 1.87
+           peak step                                                17.03
+           peak eval                                                11.20
+           peak export                                               5.99
+           fits in 72 GiB per device (24% at the peak)
+
 Run:   dreamjax dreamgym --config configs/scale/dreamgym_llama8b_gpu.py
        sbatch tpu/gpu_slurm.sbatch dreamgym configs/scale/dreamgym_llama8b_gpu.py       (SLURM: 2 nodes, a task each)
 Tiny (CPU; the same pipeline at test size, see configs/dreamgym_twx.py):

@@ -17,10 +17,61 @@ worker (CKPT):
          --set out_dir=runs/exp_sft/twx_llama8b --set mesh.fsdp=4 --set mesh.tensor=4 \
          --set micro_batches=8 \
          --set annotations=runs/collect/twx/annotations.teacher.jsonl --set require_teacher_annotations=true
+         Memory per device of this step (what tools/memory_plan.py prints; tests/test_memory.py recomputes
+         it from this command):
+           python tools/memory_plan.py --config configs/train_exp_twx.py --accelerator v5p --arch exp=llama-3.1-8b \
+             --set mesh.fsdp=4 --set mesh.tensor=4 --set micro_batches=8
+
+           configs/train_exp_twx.py (ExpSftConfig)
+           mesh data=1 fsdp=4 tensor=4 (16 devices)
+           M_exp: 8.030B params, float32 weights, float32 compute, remat none
+           component                                           GiB/device  live in
+           M_exp params (train layout)                               1.87  all
+           AdamW moments (2 x params dtype)                          3.74  step,reshard,eval_score,eval_decode,export
+           gradients (f32 accumulator + one in dtype)                3.74  step
+           activations (1 rows/device x 3072, per micro-batch)      11.92  step
+           M_exp params for decoding (float32, Predictor's)          7.48  step,reshard,eval_score,eval_decode,export
+           M_exp decoding copy being replaced                        7.48  reshard
+           held-out scoring forward (16 rows x 3072)                 1.27  eval_score
+           M_exp KV cache (16 rows x 6144 slots)                     1.50  eval_decode
+           M_exp prefill (16 rows x 3072)                            1.27  eval_decode
+           export: one block of a leaf gathered whole                0.38  export
+           peak load                                                 1.87
+           peak step                                                28.75
+           peak reshard                                             20.57
+           peak eval_score                                          14.36
+           peak eval_decode                                         15.86
+           peak export                                              13.47
+           fits in 95 GiB per device (30% at the peak)
+
        dreamjax train-policy --config configs/train_policy_twx.py --set model.checkpoint=$CKPT/Qwen2.5-7B-Instruct \
          --set out_dir=runs/policy_sft/twx_qwen7b --set mesh.fsdp=4 --set mesh.tensor=4 --set optim.lr=1e-5 \
          --set micro_batches=8 --set agent.think=true \
          --set rollout.max_action_tokens=512
+         Memory per device of this step (what tools/memory_plan.py prints; tests/test_memory.py recomputes
+         it from this command):
+           python tools/memory_plan.py --config configs/train_policy_twx.py --accelerator v5p --arch policy=qwen2.5-7b \
+             --set mesh.fsdp=4 --set mesh.tensor=4 --set micro_batches=8 --set agent.think=true \
+             --set rollout.max_action_tokens=512
+
+           configs/train_policy_twx.py (PolicySftConfig)
+           mesh data=1 fsdp=4 tensor=4 (16 devices)
+           policy: 7.616B params, float32 weights, float32 compute, remat none
+           component                                           GiB/device  live in
+           policy params (train layout)                              1.77  all
+           AdamW moments (2 x params dtype)                          3.55  step,eval,export
+           gradients (f32 accumulator + one in dtype)                3.55  step
+           activations (1 rows/device x 2560, per micro-batch)       9.13  step
+           policy params for sampling (float32, as trained)          7.09  eval
+           policy KV cache (16 rows x 2560 slots)                    0.27  eval
+           policy prefill (16 rows x 2048)                           0.84  eval
+           export: one block of a leaf gathered whole                0.37  export
+           peak load                                                 1.77
+           peak step                                                18.00
+           peak eval                                                13.52
+           peak export                                               5.70
+           fits in 95 GiB per device (19% at the peak)
+
 Run:   dreamjax dreamgym --config configs/scale/dreamgym_qwen7b_tpu.py
        tpu/tpu_run.sh dreamgym configs/scale/dreamgym_qwen7b_tpu.py           (from your workstation: every worker)
 Tiny (CPU; the same pipeline at test size, see configs/dreamgym_twx.py):

@@ -9,6 +9,30 @@ Before: offline data and the policy SFT warm start on the same host (tpu/README.
          --set out_dir=runs/policy_sft/twx_llama8b --set mesh.fsdp=1 --set mesh.tensor=8 --set optim.lr=1e-5 \
          --set micro_batches=32 --set agent.think=true \
          --set rollout.max_action_tokens=512
+         Memory per device of this step (what tools/memory_plan.py prints; tests/test_memory.py recomputes
+         it from this command):
+           python tools/memory_plan.py --config configs/train_policy_twx.py --accelerator h100 \
+             --arch policy=llama-3.1-8b --set mesh.fsdp=1 --set mesh.tensor=8 --set micro_batches=32 \
+             --set agent.think=true --set rollout.max_action_tokens=512
+
+           configs/train_policy_twx.py (PolicySftConfig)
+           mesh data=1 fsdp=1 tensor=8 (8 devices)
+           policy: 8.030B params, float32 weights, float32 compute, remat none
+           component                                           GiB/device  live in
+           policy params (train layout)                              3.74  all
+           AdamW moments (2 x params dtype)                          7.48  step,eval,export
+           gradients (f32 accumulator + one in dtype)                7.48  step
+           activations (1 rows/device x 2560, per micro-batch)       7.53  step
+           policy params for sampling (float32, as trained)          0.00  eval
+           policy KV cache (16 rows x 2560 slots)                    1.25  eval
+           policy prefill (16 rows x 2048)                           2.44  eval
+           export: one block of a leaf gathered whole                0.38  export
+           peak load                                                 3.74
+           peak step                                                26.23
+           peak eval                                                14.91
+           peak export                                              11.60
+           fits in 72 GiB per device (36% at the peak)
+
 Run:   dreamjax rl --config configs/scale/grpo_real_llama8b_gpu.py
 S2R (DreamGym-S2R, docs/paper_map.md): the same from DreamGym's final policy with a 5K real-transition budget,
        --set model.checkpoint=runs/dreamgym/grpo_twx_llama8b_gpu/final --set max_real_transitions=5000

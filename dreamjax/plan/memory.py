@@ -25,6 +25,13 @@ What the loops keep on a device, and in which layout (read from dreamjax/rl and 
 - the final HF export (`save_model`), after training with the training state still resident: one block of one
   leaf's rows at a time gathered whole on every device, in the export dtype (`export_bytes`).
 
+The supervised commands that precede an RL run (`plan_policy_sft`, `plan_exp_sft`, `plan_dpo`; `plan_supervised`
+picks by the config's fields) hold the same training state and update step, with phases of their own: "load" (the
+weights as loaded, before AdamW exists), DPO's "reference" (its reference log-probs are scored once with the loaded
+weights, so no second copy is kept), "step", their evaluations and "export". Their evaluations move the training
+parameters to the sampling layout as they are (`Evaluator`, `Predictor.set_params`: in the parameters' dtype, not
+cast as the RL learner's sampling copy is), and M_exp SFT's `Predictor` keeps that copy from its creation to the end.
+
 Activations are an estimate, documented here so it can be checked: per token and layer the backward pass needs the
 inputs and outputs of both RMSNorms (4 E), post-RoPE q and k and v ((H + 2 K) D), the attention output (H D), gate,
 up and their product (3 M), all in the compute dtype, plus the attention scores, which this model materialises (no
@@ -121,6 +128,20 @@ RL_FIELDS = ("rows", "rows_per_step", "micro_batches", "pad_to", "score_batch", 
 # task-generation settings (whether and how many seeds M_task writes variants of, its prompt buckets and budget).
 DREAMGYM_FIELDS = ("rl", "exp_prompt_buckets", "exp_max_new_tokens", "curriculum.enabled", "curriculum.generate_every",
                    "curriculum.seeds_per_round", "curriculum.max_new_tokens", "curriculum.generation.prompt_buckets")
+# The supervised commands' configs, each recognised by all of its fields (`supervised_kind`). Policy SFT
+# (`plan_policy_sft`, dreamjax/commands/train_policy.py): `batch_size` rows per update in `micro_batches`, rows as long
+# as `pad_to` or the largest prompt bucket plus `rollout.max_action_tokens`, evaluation sampling `eval.num_envs`
+# episodes at a time. M_exp SFT (`plan_exp_sft`, train_exp.py): rows up to `max_len`, held-out scoring and decoding in
+# batches of `eval_batch_size` with a `max_new_tokens` budget. DPO (`plan_dpo`, dpo.py): `pairs_per_step` pairs of
+# episodes (up to `rollout.max_turns` rows each side), reference scoring in `score_batch` rows, evaluation as policy
+# SFT.
+POLICY_SFT_FIELDS = ("batch_size", "micro_batches", "pad_to", "rows", "rollout.prompt_buckets",
+                     "rollout.max_action_tokens", "eval.num_envs", "export_dtype")
+EXP_SFT_FIELDS = ("batch_size", "micro_batches", "max_len", "max_new_tokens", "eval_batch_size", "held_out_fraction",
+                  "export_dtype")
+DPO_FIELDS = ("pairs_per_step", "micro_batches", "pad_to", "score_batch", "beta", "rollout.max_turns",
+              "rollout.prompt_buckets", "rollout.max_action_tokens", "eval.num_envs", "export_dtype")
+SUPERVISED_FIELDS = {"policy_sft": POLICY_SFT_FIELDS, "exp_sft": EXP_SFT_FIELDS, "dpo": DPO_FIELDS}
 
 # Memory one process may use per device (GiB), what a plan is compared against: a TPU chip's HBM; on GPUs 90% of it,
 # the XLA_PYTHON_CLIENT_MEM_FRACTION that tpu/gpu_*.sh set (JAX's own default, 0.75, would leave less).
@@ -424,19 +445,48 @@ class MemoryPlan:
     return "\n".join(rows)
 
 
+def _state_lines(role: str, model: ModelConfig, sizes: Mapping[str, int], phases: tuple[str, ...] = ()
+                 ) -> list[Line]:
+  """The training state: parameters in the TRAIN_RULES layout and AdamW's two moments in their dtype."""
+  p_train = param_bytes(model, sizes, TRAIN_RULES)
+  return [Line(f"{role} params (train layout)", p_train, phases),
+          Line("AdamW moments (2 x params dtype)", 2 * p_train, phases)]
+
+
+def _update_lines(model: ModelConfig, micro_rows: int, length: int, sizes: Mapping[str, int],
+                  phases: tuple[str, ...]) -> list[Line]:
+  """The update step's transients (`TrainStep`): the float32 gradient accumulator beside one micro-batch's gradient
+  in the parameters' dtype, and the activations of one micro-batch of `micro_rows` rows x `length`."""
+  elements = param_bytes(model, sizes, TRAIN_RULES, dtype="float32") // 4
+  return [Line("gradients (f32 accumulator + one in dtype)", elements * 4 + param_bytes(model, sizes, TRAIN_RULES),
+               phases),
+          Line(f"activations ({local_rows(micro_rows, sizes, TRAIN_RULES)} rows/device x {length}, per micro-batch)",
+               activation_bytes(model, micro_rows, length, sizes, TRAIN_RULES), phases)]
+
+
+def _sampler_lines(who: str, model: ModelConfig, rows: int, prompt: int, new_tokens: int, sizes: Mapping[str, int],
+                   phases: tuple[str, ...]) -> list[Line]:
+  """One sampler call's transients: its KV cache (prompt + answer slots) and its prefill over the prompt."""
+  slots = prompt + new_tokens
+  return [Line(f"{who} KV cache ({rows} rows x {slots} slots)", kv_cache_bytes(model, rows, slots, sizes), phases),
+          Line(f"{who} prefill ({rows} rows x {prompt})",
+               forward_bytes(model, rows, prompt, sizes, SAMPLE_RULES, logits_positions=1), phases)]
+
+
+def _export_line(model: ModelConfig, dtype: str) -> Line:
+  return Line("export: one block of a leaf gathered whole", export_bytes(model, dtype or None), ("export",))
+
+
 def _learner_lines(rl: Any, policy: ModelConfig, sizes: Mapping[str, int],
                    sampling: tuple[str, ...]) -> tuple[list[Line], list[Line]]:
   """The RL learner's (resident, transient) lines: training state and reference; rollout sampling (live in the
   `sampling` phases), reference scoring and the update step."""
-  p_train = param_bytes(policy, sizes, TRAIN_RULES)
-  elements = param_bytes(policy, sizes, TRAIN_RULES, dtype="float32") // 4
   ro = rl.rollout
   rows, prompt = rl.rows, ro.prompt_buckets[-1]
   slots = prompt + ro.max_action_tokens
   length = -(-slots // rl.pad_to) * rl.pad_to  # turn rows: a prompt and its answer, rounded up as take_rows does
   micro_rows = rl.rows_per_step // rl.micro_batches
-  resident = [Line("policy params (train layout)", p_train, ()),
-              Line("AdamW moments (2 x params dtype)", 2 * p_train, ())]
+  resident = _state_lines("policy", policy, sizes)
   if rl.objective.kl_coef:  # frozen, so kept in the compute dtype (`in_compute_dtype`), as is the sampling copy
     resident.append(Line(f"reference params (train layout, {policy.dtype})",
                          compute_copy_bytes(policy, sizes, TRAIN_RULES), ()))
@@ -445,16 +495,11 @@ def _learner_lines(rl: Any, policy: ModelConfig, sizes: Mapping[str, int],
           if cast or not same_layout(policy, sizes, TRAIN_RULES, SAMPLE_RULES) else 0)
   transient = [
       Line(f"policy params for sampling ({policy.dtype})", copy, sampling),
-      Line(f"policy KV cache ({rows} rows x {slots} slots)", kv_cache_bytes(policy, rows, slots, sizes), ("rollout",)),
-      Line(f"policy prefill ({rows} rows x {prompt})",
-           forward_bytes(policy, rows, prompt, sizes, SAMPLE_RULES, logits_positions=1), ("rollout",)),
+      *_sampler_lines("policy", policy, rows, prompt, ro.max_action_tokens, sizes, ("rollout",)),
       Line(f"scoring forward ({rl.score_batch} rows x {length})",
            forward_bytes(policy, rl.score_batch, length, sizes, TRAIN_RULES), ("score",)),
-      Line("gradients (f32 accumulator + one in dtype)", elements * 4 + p_train, ("update",)),
-      Line(f"activations ({local_rows(micro_rows, sizes, TRAIN_RULES)} rows/device x {length}, per micro-batch)",
-           activation_bytes(policy, micro_rows, length, sizes, TRAIN_RULES), ("update",)),
-      Line("export: one block of a leaf gathered whole", export_bytes(policy, rl.export_dtype or None),
-           ("export",)),
+      *_update_lines(policy, micro_rows, length, sizes, ("update",)),
+      _export_line(policy, rl.export_dtype),
   ]
   return resident, transient
 
@@ -507,6 +552,135 @@ def plan_dreamgym(cfg: Any, policy: ModelConfig, exp: ModelConfig, sizes: Mappin
   notes = _dropped("policy", policy, sizes, POLICY_LAYOUTS) + _dropped("M_exp", exp, sizes, {"sampling": SAMPLE_RULES})
   return MemoryPlan(title, dict(sizes), (("policy", policy), ("M_exp", exp)), tuple(resident + transient),
                     phases + ("export",), notes)
+
+
+def supervised_kind(cfg: Any) -> str | None:
+  """Which supervised command's config `cfg` is ("policy_sft", "exp_sft", "dpo"; `SUPERVISED_FIELDS`), or None."""
+  kinds = [k for k, fields in SUPERVISED_FIELDS.items() if not missing_fields(cfg, fields)]
+  return kinds[0] if len(kinds) == 1 else None
+
+
+def _check_batch(cfg: Any, field: str, rows: int, sizes: Mapping[str, int]) -> None:
+  dp = sizes["data"] * sizes["fsdp"]  # TrainStep splits rows over the batch axes (data, fsdp)
+  if rows % (cfg.micro_batches * dp):
+    raise ValueError(f"{type(cfg).__name__}.{field} ({rows}) must be a multiple of micro_batches "
+                     f"({cfg.micro_batches}) x data x fsdp ({dp})")
+
+
+def _turn_row_length(cfg: Any) -> int:
+  """Policy SFT and DPO rows: one turn in the rollout layout (a prompt fitted to the largest bucket, an answer within
+  `max_action_tokens`), padded to `pad_to`, else the longest row rounded up to 64: at most this."""
+  ro = cfg.rollout
+  return cfg.pad_to if cfg.pad_to > 0 else -(-(ro.prompt_buckets[-1] + ro.max_action_tokens) // 64) * 64
+
+
+def _eval_copy_bytes(model: ModelConfig, sizes: Mapping[str, int]) -> int:
+  """The training parameters moved to the sampler's layout as they are (`Evaluator`, `Predictor.set_params`: a
+  `device_put`, no cast to the compute dtype): a copy in the parameters' dtype unless the layouts coincide."""
+  return 0 if same_layout(model, sizes, TRAIN_RULES, SAMPLE_RULES) else param_bytes(model, sizes, SAMPLE_RULES)
+
+
+def _supervised_plan(title: str, role: str, model: ModelConfig, sizes: Mapping[str, int], cfg: Any, micro_rows: int,
+                     length: int, phases: tuple[str, ...], extra: Sequence[Line]) -> MemoryPlan:
+  """A supervised command's plan: the weights as loaded (live throughout), AdamW's moments from the train state's
+  creation on (every phase but "load" and "reference"), one update step ("step"), `extra` (evaluation, reference
+  scoring) and the final export."""
+  params, moments = _state_lines(role, model, sizes)
+  trained = tuple(p for p in phases if p not in ("load", "reference"))
+  lines = [params, dataclasses.replace(moments, phases=trained), *_update_lines(model, micro_rows, length, sizes,
+                                                                                ("step",)),
+           *extra, _export_line(model, cfg.export_dtype)]
+  return MemoryPlan(title, dict(sizes), ((role, model),), tuple(lines), phases,
+                    _dropped(role, model, sizes, POLICY_LAYOUTS))
+
+
+def _policy_eval_lines(cfg: Any, policy: ModelConfig, sizes: Mapping[str, int]) -> list[Line]:
+  """Evaluation in the real env (`dreamjax.loop.evaluate.Evaluator`): the policy resharded for the sampler, greedy
+  episodes `eval.num_envs` at a time through the rollout engine (the RL rollout's KV cache and prefill)."""
+  ro = cfg.rollout
+  return [Line(f"policy params for sampling ({policy.param_dtype}, as trained)", _eval_copy_bytes(policy, sizes),
+               ("eval",)),
+          *_sampler_lines("policy", policy, cfg.eval.num_envs, ro.prompt_buckets[-1], ro.max_action_tokens, sizes,
+                          ("eval",))]
+
+
+def plan_policy_sft(cfg: Any, policy: ModelConfig, sizes: Mapping[str, int], title: str = "dreamjax train-policy"
+                    ) -> MemoryPlan:
+  """Policy SFT (`dreamjax train-policy`): the loaded policy, its AdamW state and one update step of `batch_size /
+  micro_batches` rows, evaluation in the real env (at the end and every `eval.every_steps`), the export. `cfg` is a
+  PolicySftConfig, read duck-typed (`POLICY_SFT_FIELDS`). The row length is its bound (`_turn_row_length`): a run
+  whose longest row is shorter pads to less."""
+  _require(cfg, POLICY_SFT_FIELDS, "plan_policy_sft")
+  _check_batch(cfg, "batch_size", cfg.batch_size, sizes)
+  return _supervised_plan(title, "policy", policy, sizes, cfg, cfg.batch_size // cfg.micro_batches,
+                          _turn_row_length(cfg), ("load", "step", "eval", "export"),
+                          _policy_eval_lines(cfg, policy, sizes))
+
+
+def plan_exp_sft(cfg: Any, exp: ModelConfig, sizes: Mapping[str, int], title: str = "dreamjax train-exp"
+                 ) -> MemoryPlan:
+  """M_exp SFT (`dreamjax train-exp`): the loaded M_exp, its AdamW state and one update step of `batch_size /
+  micro_batches` rows of up to `max_len` tokens (rounded up to 64, the largest length bucket), and the held-out
+  evaluation: `Predictor` keeps M_exp's parameters in the sampling layout from its creation to the end, replaced by a
+  fresh copy at each evaluation ("reshard": both are live until the old one is dropped), teacher-forced scoring of
+  `eval_batch_size` rows ("eval_score") and greedy decoding of as many with the `max_new_tokens` budget
+  ("eval_decode"; 0: the run sets it from the data, at most `max_len`, which is what is counted). `cfg` is an
+  ExpSftConfig, read duck-typed (`EXP_SFT_FIELDS`)."""
+  _require(cfg, EXP_SFT_FIELDS, "plan_exp_sft")
+  _check_batch(cfg, "batch_size", cfg.batch_size, sizes)
+  length = -(-cfg.max_len // 64) * 64  # fidelity.prompt_buckets' top, which train_exp's length buckets are
+  rows, new = cfg.eval_batch_size, cfg.max_new_tokens or cfg.max_len
+  copy = _eval_copy_bytes(exp, sizes)
+  phases = ("load", "step", "reshard", "eval_score", "eval_decode", "export")
+  extra = [
+      Line(f"M_exp params for decoding ({exp.param_dtype}, Predictor's)", copy, phases[1:]),
+      Line("M_exp decoding copy being replaced", copy, ("reshard",)),
+      # The scorer reads the Predictor's copy (sampling layout, so no layer is gathered over fsdp).
+      Line(f"held-out scoring forward ({rows} rows x {length})", forward_bytes(exp, rows, length, sizes, SAMPLE_RULES),
+           ("eval_score",)),
+      *_sampler_lines("M_exp", exp, rows, length, new, sizes, ("eval_decode",)),
+  ]
+  return _supervised_plan(title, "M_exp", exp, sizes, cfg, cfg.batch_size // cfg.micro_batches, length, phases, extra)
+
+
+def dpo_batch_rows(cfg: Any, sizes: Mapping[str, int]) -> int:
+  """Rows of a DPO update batch, bounded from the config alone as `dpo._rows_per_micro` bounds them from the data,
+  with every episode at `rollout.max_turns` turns (a pair: one row per turn of each side); the run's summary.json
+  gives the real `batch_rows`."""
+  pair = 2 * cfg.rollout.max_turns
+  total = cfg.pairs_per_step * pair
+  per_micro = total if cfg.micro_batches == 1 else -(-total // cfg.micro_batches) + pair
+  dp = sizes["data"] * sizes["fsdp"]
+  return -(-per_micro // dp) * dp * cfg.micro_batches
+
+
+def plan_dpo(cfg: Any, policy: ModelConfig, sizes: Mapping[str, int], title: str = "dreamjax dpo",
+             batch_rows: int | None = None) -> MemoryPlan:
+  """DPO (`dreamjax dpo`): the SFT checkpoint loaded once, as the policy and as the reference. The reference's
+  log-probs are scored once, before the train state exists ("reference": the loaded weights and a forward of
+  `score_batch` rows), so no second copy of the weights is kept; then AdamW, one update step of `batch_rows /
+  micro_batches` rows (`batch_rows` default: `dpo_batch_rows`' bound), evaluation as policy SFT, the export. `cfg` is
+  a DpoConfig, read duck-typed (`DPO_FIELDS`)."""
+  _require(cfg, DPO_FIELDS, "plan_dpo")
+  batch_rows = batch_rows or dpo_batch_rows(cfg, sizes)
+  _check_batch(cfg, "batch_rows", batch_rows, sizes)
+  length = _turn_row_length(cfg)
+  extra = [Line(f"reference scoring forward ({cfg.score_batch} rows x {length})",
+                forward_bytes(policy, cfg.score_batch, length, sizes, TRAIN_RULES), ("reference",)),
+           *_policy_eval_lines(cfg, policy, sizes)]
+  return _supervised_plan(title, "policy", policy, sizes, cfg, batch_rows // cfg.micro_batches, length,
+                          ("load", "reference", "step", "eval", "export"), extra)
+
+
+def plan_supervised(cfg: Any, model: ModelConfig, sizes: Mapping[str, int], title: str | None = None,
+                    **kw) -> MemoryPlan:
+  """The plan of whichever supervised command `cfg` configures (`supervised_kind`); `kw` goes to `plan_dpo`."""
+  kind = supervised_kind(cfg)
+  if kind is None:
+    raise ValueError(f"plan_supervised: a {type(cfg).__name__} is none of PolicySftConfig, ExpSftConfig, DpoConfig "
+                     f"(by their fields, SUPERVISED_FIELDS)")
+  plan = {"policy_sft": plan_policy_sft, "exp_sft": plan_exp_sft, "dpo": plan_dpo}[kind]
+  return plan(cfg, model, sizes, **({"title": title} if title else {}), **kw)
 
 
 def _dropped(role: str, cfg: ModelConfig, sizes: Mapping[str, int], layouts: Mapping[str, Rules]) -> tuple[str, ...]:
