@@ -24,3 +24,24 @@ def hf_tiny(request, tmp_path_factory):
   folder = tmp_path_factory.mktemp(f"hf_{request.param}")
   hf_fixtures.save_tiny_hf_model(request.param, folder)
   return request.param, folder
+
+
+@pytest.fixture(scope="session")
+def coin_expert_data(tmp_path_factory):
+  """trajectories.jsonl of 6 expert episodes of TextWorld-Express coin games (tests/preemption_child.py's settings),
+  for tests that run a tiny training command end to end."""
+  pytest.importorskip("textworld_express")
+  from dreamjax.data.collect import CollectConfig, collect
+  from dreamjax.envs.base import SerialBatchEnv
+  from dreamjax.envs.textworld_express import TextWorldExpressEnv
+  from tests import preemption_child as child
+
+  out = tmp_path_factory.mktemp("coin_expert_data")
+  env = SerialBatchEnv([TextWorldExpressEnv(step_limit=4) for _ in range(child.EVAL.num_envs)])
+  try:
+    collect(CollectConfig(env_kwargs=("step_limit=4",), games=("coin",), game_params=child.COIN,
+                          policies=("expert:6",), num_workers=0, rows_per_worker=child.EVAL.num_envs,
+                          out_dir=str(out), build_tfds=False, progress=False), batch=env)
+  finally:
+    env.close()
+  return out / "trajectories.jsonl"

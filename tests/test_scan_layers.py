@@ -5,8 +5,8 @@ Float32 throughout. The scanned forward is bit for bit the unrolled one (the sam
 by summation order only (~1e-12 absolute here), so they are compared to 1e-6 of each leaf's largest entry.
 """
 
+import dataclasses
 import json
-import types
 
 import flax.linen as nn
 import jax
@@ -17,10 +17,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
 
-from dreamjax.loop.learner import PolicyLearner
 from dreamjax.models import KVCache, Transformer, init_params, load_hf_checkpoint, save_hf_checkpoint, tiny
 from dreamjax.models.config import to_hf_config
-from dreamjax.models.params import abstract_params, in_compute_dtype, param_shardings, stack_layers, unstack_layers
+from dreamjax.models.params import (abstract_params, in_compute_dtype, param_shardings, sampling_copy, stack_layers,
+                                    unstack_layers)
 from dreamjax.plan.memory import param_specs
 from dreamjax.parallel import SAMPLE_RULES, TRAIN_RULES, MeshConfig, make_mesh
 from dreamjax.rl.batch import TokenBatch
@@ -156,14 +156,34 @@ def test_kv_cache_forward_on_stacked_params_refuses(params):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_sampling_params_are_unrolled(params, dtype):
-  """The learner hands its sampler (KV-cache decoding) an unrolled copy of stacked training weights."""
-  cfg = SCAN.replace(dtype=dtype)
-  learner = types.SimpleNamespace(model_cfg=cfg, mesh=None, state=types.SimpleNamespace(
-      params=stack_layers(params, CFG)))
-  copy = PolicyLearner.sampling_params(learner)
+def test_samplers_get_an_unrolled_copy_in_the_compute_dtype(params, dtype):
+  """Every sampler (the learner's, the SFT evaluators', M_exp's Predictor: `sampling_copy`) gets stacked training
+  weights unrolled, cast to the compute dtype; unrolled float32 weights pass through uncopied."""
+  copy = sampling_copy(stack_layers(params, CFG), SCAN.replace(dtype=dtype))
   assert copy["layers_1"]["mlp"]["up"].dtype == jnp.dtype(dtype) and copy["value_head"].dtype == jnp.float32
   assert_trees_equal(copy, in_compute_dtype(params, CFG.replace(dtype=dtype)))
+  assert sampling_copy(params, CFG) is params
+
+
+def test_policy_sft_with_scanned_layers_equals_unrolled(coin_expert_data, tmp_path):
+  """A policy SFT run (its update, its evaluation's sampler and its export) with `model.scan_layers`: the same
+  evaluation and, to float32 rounding, the same exported weights as the unrolled run."""
+  from dreamjax.commands import train_policy
+  from dreamjax.loop.model import load_model
+  from tests import preemption_child as child
+
+  base = dataclasses.replace(child.policy_sft(), data=(str(coin_expert_data),), max_steps=4,
+                             eval=dataclasses.replace(child.EVAL, every_steps=0, num_tasks=2))
+  runs = {}
+  for scan in (False, True):
+    cfg = dataclasses.replace(base, out_dir=str(tmp_path / f"scan{scan}"),
+                              model=dataclasses.replace(base.model, scan_layers=scan))
+    summary = train_policy.run(cfg)
+    runs[scan] = summary, load_model(summary["checkpoint"])[1]
+  a, b = runs[True][0]["eval"]["held_out"], runs[False][0]["eval"]["held_out"]
+  assert {k for k in a if a[k] != b[k]} <= {"eval_s"}, {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+  assert runs[True][0]["final_loss"] == pytest.approx(runs[False][0]["final_loss"], rel=1e-5)
+  assert max_rel_diff(runs[True][1], runs[False][1]) < 1e-5
 
 
 def test_stacked_leaves_on_the_mesh(tmp_path):

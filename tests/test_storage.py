@@ -174,31 +174,12 @@ def test_an_export_to_a_bucket_loads_back_through_a_staged_copy(gcs, local_model
 # --- a training command with its checkpoints and model in a bucket --------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def twx_data(tmp_path_factory):
-  pytest.importorskip("textworld_express")
-  from dreamjax.data.collect import CollectConfig, collect
-  from dreamjax.envs.base import SerialBatchEnv
-  from dreamjax.envs.textworld_express import TextWorldExpressEnv
-  from tests import preemption_child as child
-
-  out = tmp_path_factory.mktemp("data")
-  env = SerialBatchEnv([TextWorldExpressEnv(step_limit=4) for _ in range(child.EVAL.num_envs)])
-  try:
-    collect(CollectConfig(env_kwargs=("step_limit=4",), games=("coin",), game_params=child.COIN,
-                          policies=("expert:6",), num_workers=0, rows_per_worker=child.EVAL.num_envs,
-                          out_dir=str(out), build_tfds=False, progress=False), batch=env)
-  finally:
-    env.close()
-  return out / "trajectories.jsonl"
-
-
-def test_policy_sft_checkpoints_and_exports_to_a_bucket_and_resumes_from_it(gcs, twx_data, tmp_path, capsys):
+def test_policy_sft_checkpoints_and_exports_to_a_bucket_and_resumes_from_it(gcs, coin_expert_data, tmp_path, capsys):
   from dreamjax.commands import train_policy
   from tests import preemption_child as child
 
   ckpt, model = f"{BUCKET_URL}/sft/checkpoints", f"{BUCKET_URL}/sft/model"
-  cfg = dataclasses.replace(child.policy_sft(), data=(str(twx_data),), out_dir=str(tmp_path / "sft"), max_steps=4,
+  cfg = dataclasses.replace(child.policy_sft(), data=(str(coin_expert_data),), out_dir=str(tmp_path / "sft"), max_steps=4,
                             checkpoint_dir=ckpt, export_dir=model,
                             eval=dataclasses.replace(child.EVAL, every_steps=0, num_tasks=1))
   with warnings.catch_warnings():

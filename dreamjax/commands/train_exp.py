@@ -238,7 +238,7 @@ def _train(cfg: ExpSftConfig, run: RunFolder, tracker: Tracker, t0: float) -> di
   mesh = run_mesh(cfg)
   init_folder, model_cfg, params, tokenizer = prepare_model(
       dataclasses.replace(cfg.model, tiny=tiny), out / "init", lambda: corpus(train_records, notes, cfg.format),
-      seed=cfg.seed, mesh=mesh)
+      seed=cfg.seed, mesh=mesh, overrides=cfg.model.overrides())
   retriever = exp_retriever(cfg.retrieval_encoder, init_folder) if cfg.format.retrieval and cfg.format.k else None
   builder = ExampleBuilder(tokenizer, cfg.format, cfg.max_len)
   data = build_sft_data(records, builder, retriever, held_out_fraction=cfg.held_out_fraction, seed=cfg.seed,
@@ -257,7 +257,8 @@ def _train(cfg: ExpSftConfig, run: RunFolder, tracker: Tracker, t0: float) -> di
   del params
   total = cfg.steps or max(1, math.ceil(cfg.epochs * len(data.train) / cfg.batch_size))
   predictor = Predictor(model_cfg, state.params, tokenizer, builder, max_new, cfg.eval_batch_size, mesh)
-  scorer = LogpScorer(model_cfg, cfg.eval_batch_size, pad_to=MIN_BUCKET, mesh=mesh)
+  # It scores the Predictor's copy of the weights, which is unrolled whatever the training layout (`sampling_copy`).
+  scorer = LogpScorer(model_cfg.replace(scan_layers=False), cfg.eval_batch_size, pad_to=MIN_BUCKET, mesh=mesh)
   decode_subset = data.held_out[: cfg.eval_examples]
   buckets = length_buckets(cfg.max_len)
   score_len = score_len_for([e.loss_mask for e in data.train])  # one compilation per length bucket

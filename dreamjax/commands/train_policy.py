@@ -136,7 +136,8 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, run: RunFolder, tracker: 
   mesh = run_mesh(cfg)
   records = read_trajectory_files(cfg.data, "PolicySftConfig.data", max_transitions=cfg.data_transitions)
   model_dir, model_cfg, params, tokenizer = prepare_model(
-      cfg.model, out / "init_model", lambda: policy_texts(records, cfg.agent, cfg.rows.think), seed=cfg.seed, mesh=mesh)
+      cfg.model, out / "init_model", lambda: policy_texts(records, cfg.agent, cfg.rows.think), seed=cfg.seed, mesh=mesh,
+      overrides=cfg.model.overrides())
   rows, row_stats = sft_rows(records, tokenizer, cfg.agent, cfg.rows, cfg.rollout)
   if not rows:
     raise ValueError(f"data {list(cfg.data)}: no demonstration turns (row counts: {row_stats}); check rows.experts "

@@ -49,6 +49,7 @@ from dreamjax.experience.annotate import Annotation
 from dreamjax.experience.format import ExpPrediction, action_lists, parse_output, transition_target
 from dreamjax.experience.sft_data import NEXT_STATE, REASONING, REGION_NAMES, ExampleBuilder, ExpExample, retrieve
 from dreamjax.models import ModelConfig
+from dreamjax.models.params import sampling_copy
 from dreamjax.replay.retriever import Retriever
 from dreamjax.rl.logprobs import LogpScorer
 from dreamjax.sampling import Sampler, left_pad, sampling_params
@@ -83,15 +84,17 @@ class Predictor:
                max_new_tokens: int, batch_size: int = 16, mesh: jax.sharding.Mesh | None = None):
     self.tokenizer, self.builder, self.fmt = tokenizer, builder, builder.fmt
     self.batch_size, self.max_new_tokens = batch_size, max_new_tokens
+    self.model_cfg = model_cfg
     self.sampler = Sampler(model_cfg, max_new_tokens, pad_id=tokenizer.pad_id, mesh=mesh)
     self.set_params(params)
     self.buckets = prompt_buckets(builder.max_len)
     self.stop = [[i] for i in tokenizer.eos_ids]
 
   def set_params(self, params: Any) -> None:
-    """Uses `params` from now on (resharded for sampling when there is a mesh)."""
-    mesh = self.sampler.mesh
-    self.params = params if mesh is None else jax.device_put(params, self.sampler.param_shardings())
+    """Uses `params` (training parameters) from now on, as the sampler wants them (`sampling_copy`: unrolled, in the
+    compute dtype, resharded for sampling when there is a mesh)."""
+    shardings = None if self.sampler.mesh is None else self.sampler.param_shardings()
+    self.params = sampling_copy(params, self.model_cfg, shardings)
 
   def generate(self, prompts: Sequence[np.ndarray], temperature: float = 0.0, seed: int = 0) -> list[str]:
     """Decoded outputs (without the stop token), one per prompt."""

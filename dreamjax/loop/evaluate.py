@@ -41,6 +41,7 @@ from dreamjax.envs.base import BatchEnv, Task
 from dreamjax.envs.registry import env_tasks, make_batch_env
 from dreamjax.loop.track import Tracker, echo
 from dreamjax.models import ModelConfig
+from dreamjax.models.params import sampling_copy
 from dreamjax.rollout.agent import AgentFormat, parse_answer
 from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
 from dreamjax.rollout.trajectory import Trajectories
@@ -204,14 +205,15 @@ class Evaluator:
                env_name: str, env_kwargs: Sequence[str], cfg: EvalConfig, train_tasks: Sequence[Task],
                env: BatchEnv | None = None, mesh=None):
     self.engine = RolloutEngine(model_cfg, tokenizer, fmt, greedy_rollout(rollout), mesh=mesh)
-    self.cfg, self.train_tasks = cfg, list(train_tasks)
+    self.model_cfg, self.cfg, self.train_tasks = model_cfg, cfg, list(train_tasks)
     self.held_out = held_out_tasks(env_name, cfg) if cfg.num_tasks > 0 else []
     self._owned = env is None
     self.env = make_batch_env(env_name, env_kwargs, cfg.num_envs, cfg.num_workers) if env is None else env
 
   def __call__(self, params, key: jax.Array) -> dict[str, Any]:
-    if self.engine.sampler.mesh is not None:  # sampling shards differently from training
-      params = jax.device_put(params, self.engine.sampler.param_shardings())
+    # Unrolled, in the compute dtype, and in the sampling layout (which shards differently from training).
+    shardings = None if self.engine.sampler.mesh is None else self.engine.sampler.param_shardings()
+    params = sampling_copy(params, self.model_cfg, shardings)
     out = {}
     for side, tasks in (("held_out", self.held_out), ("train", self.train_tasks)):
       if tasks:

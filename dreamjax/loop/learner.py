@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dreamjax.envs.base import BatchEnv, Task
@@ -56,7 +55,7 @@ from dreamjax.loop.evaluate import evaluate, greedy_rollout, unparsed_rows
 from dreamjax.loop.model import ModelSource, prepare_model
 from dreamjax.loop.track import echo
 from dreamjax.models import ModelConfig, tiny
-from dreamjax.models.params import in_compute_dtype, unstack_layers
+from dreamjax.models.params import in_compute_dtype, sampling_copy
 from dreamjax.parallel import TRAIN_RULES, check_same
 from dreamjax.rl.batch import TokenBatch, rl_batch
 from dreamjax.rl.critic import Critic, CriticConfig, critic_metrics, explained_variance
@@ -341,19 +340,11 @@ class PolicyLearner:
       self.critic.state = arrays["critic"]
 
   def sampling_params(self):
-    """The policy's parameters as the sampler wants them: laid out for sampling (which may shard differently from
-    training) and in the compute dtype, which samples the same tokens from half the bytes in a bfloat16 run
-    (`in_compute_dtype`). With float32 compute and one layout these are the state's own arrays, no copy. Stacked
-    layers (`ModelConfig.scan_layers`) come unrolled, as KV-cache decoding needs them: a copy, cast first so a
-    bfloat16 run never holds a float32 one."""
+    """The policy's parameters as the sampler wants them (`sampling_copy`): unrolled, in the compute dtype and laid
+    out for sampling (which may shard differently from training). With float32 compute, unrolled layers and one
+    layout these are the state's own arrays, no copy."""
     shardings = None if self.mesh is None else self.engine.sampler.param_shardings()
-    cast = jnp.dtype(self.model_cfg.dtype) != jnp.dtype(self.model_cfg.param_dtype)
-    if self.model_cfg.scan_layers:
-      params = in_compute_dtype(self.state.params, self.model_cfg) if cast else self.state.params
-      return unstack_layers(params, self.model_cfg, shardings)
-    if cast:
-      return in_compute_dtype(self.state.params, self.model_cfg, shardings)
-    return self.state.params if shardings is None else jax.device_put(self.state.params, shardings)
+    return sampling_copy(self.state.params, self.model_cfg, shardings)
 
   def build_batch(self, traj: Trajectories) -> tuple[TokenBatch, dict[str, float]]:
     """The update's batch for a rollout: reference log-probs and critic values scored here, advantages by config."""

@@ -125,3 +125,16 @@ def unstack_layers(params, cfg: ModelConfig, shardings=None):
   """The inverse of `stack_layers`: stacked parameters in the unrolled layout of `cfg.replace(scan_layers=False)`,
   which KV-cache forwards (the sampler) need; exact (slices of the same values). `shardings` as in `stack_layers`."""
   return _convert(_unstack_tree, params, cfg, shardings)
+
+
+def sampling_copy(params, cfg: ModelConfig, shardings=None):
+  """Training parameters as a sampler wants them: unrolled (KV-cache decoding; `unstack_layers` when `cfg.scan_layers`),
+  in the compute dtype (`in_compute_dtype`: exact, half the bytes in a bfloat16 run; cast before unstacking, so no
+  float32 copy is made) and laid out as `shardings` (the sampler's `param_shardings()`; None: as they are). With
+  nothing to change these are `params` themselves, no copy."""
+  cast = jnp.dtype(cfg.dtype) != jnp.dtype(cfg.param_dtype)
+  if cfg.scan_layers:
+    return unstack_layers(in_compute_dtype(params, cfg) if cast else params, cfg, shardings)
+  if cast:
+    return in_compute_dtype(params, cfg, shardings)
+  return params if shardings is None else jax.device_put(params, shardings)
