@@ -61,7 +61,7 @@ worker (CKPT):
            AdamW moments (2 x params dtype)                          0.75  step,eval,export
            gradients (f32 accumulator + one in dtype)                0.75  step
            activations (1 rows/device x 2560, per micro-batch)       4.77  step
-           policy params for sampling (float32, as trained)          1.50  eval
+           policy params for sampling (float32)                      1.50  eval
            policy KV cache (16 rows x 2560 slots)                    0.27  eval
            policy prefill (16 rows x 2048)                           0.44  eval
            export: one block of a leaf gathered whole                0.37  export

@@ -61,7 +61,7 @@ HF folders on every host:
            AdamW moments (2 x params dtype)                          3.74  step,eval,export
            gradients (f32 accumulator + one in dtype)                3.74  step
            activations (1 rows/device x 2560, per micro-batch)       7.67  step
-           policy params for sampling (float32, as trained)          3.74  eval
+           policy params for sampling (float32)                      3.74  eval
            policy KV cache (16 rows x 2560 slots)                    0.62  eval
            policy prefill (16 rows x 2048)                           1.22  eval
            export: one block of a leaf gathered whole                0.38  export

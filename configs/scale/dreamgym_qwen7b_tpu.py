@@ -62,7 +62,7 @@ worker (CKPT):
            AdamW moments (2 x params dtype)                          3.55  step,eval,export
            gradients (f32 accumulator + one in dtype)                3.55  step
            activations (1 rows/device x 2560, per micro-batch)       9.13  step
-           policy params for sampling (float32, as trained)          7.09  eval
+           policy params for sampling (float32)                      7.09  eval
            policy KV cache (16 rows x 2560 slots)                    0.27  eval
            policy prefill (16 rows x 2048)                           0.84  eval
            export: one block of a leaf gathered whole                0.37  export

@@ -23,7 +23,7 @@ Before: offline data and the policy SFT warm start on the same host (tpu/README.
            AdamW moments (2 x params dtype)                          7.48  step,eval,export
            gradients (f32 accumulator + one in dtype)                7.48  step
            activations (1 rows/device x 2560, per micro-batch)       7.53  step
-           policy params for sampling (float32, as trained)          0.00  eval
+           policy params for sampling (float32)                      0.00  eval
            policy KV cache (16 rows x 2560 slots)                    1.25  eval
            policy prefill (16 rows x 2048)                           2.44  eval
            export: one block of a leaf gathered whole                0.38  export

@@ -28,9 +28,9 @@ What the loops keep on a device, and in which layout (read from dreamjax/rl and 
 The supervised commands that precede an RL run (`plan_policy_sft`, `plan_exp_sft`, `plan_dpo`; `plan_supervised`
 picks by the config's fields) hold the same training state and update step, with phases of their own: "load" (the
 weights as loaded, before AdamW exists), DPO's "reference" (its reference log-probs are scored once with the loaded
-weights, so no second copy is kept), "step", their evaluations and "export". Their evaluations move the training
-parameters to the sampling layout as they are (`Evaluator`, `Predictor.set_params`: in the parameters' dtype, not
-cast as the RL learner's sampling copy is), and M_exp SFT's `Predictor` keeps that copy from its creation to the end.
+weights, so no second copy is kept), "step", their evaluations and "export". Their evaluations sample from the same
+copy as the RL learner's rollouts (`sampling_copy`: compute dtype, sampling layout), and M_exp SFT's `Predictor` keeps
+that copy from its creation to the end.
 
 Activations are an estimate, documented here so it can be checked: per token and layer the backward pass needs the
 inputs and outputs of both RMSNorms (4 E), post-RoPE q and k and v ((H + 2 K) D), the attention output (H D), gate,
@@ -490,11 +490,8 @@ def _learner_lines(rl: Any, policy: ModelConfig, sizes: Mapping[str, int],
   if rl.objective.kl_coef:  # frozen, so kept in the compute dtype (`in_compute_dtype`), as is the sampling copy
     resident.append(Line(f"reference params (train layout, {policy.dtype})",
                          compute_copy_bytes(policy, sizes, TRAIN_RULES), ()))
-  cast = policy.dtype != policy.param_dtype
-  copy = (compute_copy_bytes(policy, sizes, SAMPLE_RULES)
-          if cast or not same_layout(policy, sizes, TRAIN_RULES, SAMPLE_RULES) else 0)
   transient = [
-      Line(f"policy params for sampling ({policy.dtype})", copy, sampling),
+      Line(f"policy params for sampling ({policy.dtype})", sampling_copy_bytes(policy, sizes), sampling),
       *_sampler_lines("policy", policy, rows, prompt, ro.max_action_tokens, sizes, ("rollout",)),
       Line(f"scoring forward ({rl.score_batch} rows x {length})",
            forward_bytes(policy, rl.score_batch, length, sizes, TRAIN_RULES), ("score",)),
@@ -574,10 +571,12 @@ def _turn_row_length(cfg: Any) -> int:
   return cfg.pad_to if cfg.pad_to > 0 else -(-(ro.prompt_buckets[-1] + ro.max_action_tokens) // 64) * 64
 
 
-def _eval_copy_bytes(model: ModelConfig, sizes: Mapping[str, int]) -> int:
-  """The training parameters moved to the sampler's layout as they are (`Evaluator`, `Predictor.set_params`: a
-  `device_put`, no cast to the compute dtype): a copy in the parameters' dtype unless the layouts coincide."""
-  return 0 if same_layout(model, sizes, TRAIN_RULES, SAMPLE_RULES) else param_bytes(model, sizes, SAMPLE_RULES)
+def sampling_copy_bytes(model: ModelConfig, sizes: Mapping[str, int]) -> int:
+  """Bytes per device of `sampling_copy` (the learner's rollouts, the SFT evaluators, M_exp's Predictor): the
+  weights in the compute dtype and the sampling layout, or nothing when they are already both, and unrolled."""
+  needed = (model.dtype != model.param_dtype or model.scan_layers
+            or not same_layout(model, sizes, TRAIN_RULES, SAMPLE_RULES))
+  return compute_copy_bytes(model, sizes, SAMPLE_RULES) if needed else 0
 
 
 def _supervised_plan(title: str, role: str, model: ModelConfig, sizes: Mapping[str, int], cfg: Any, micro_rows: int,
@@ -598,8 +597,7 @@ def _policy_eval_lines(cfg: Any, policy: ModelConfig, sizes: Mapping[str, int]) 
   """Evaluation in the real env (`dreamjax.loop.evaluate.Evaluator`): the policy resharded for the sampler, greedy
   episodes `eval.num_envs` at a time through the rollout engine (the RL rollout's KV cache and prefill)."""
   ro = cfg.rollout
-  return [Line(f"policy params for sampling ({policy.param_dtype}, as trained)", _eval_copy_bytes(policy, sizes),
-               ("eval",)),
+  return [Line(f"policy params for sampling ({policy.dtype})", sampling_copy_bytes(policy, sizes), ("eval",)),
           *_sampler_lines("policy", policy, cfg.eval.num_envs, ro.prompt_buckets[-1], ro.max_action_tokens, sizes,
                           ("eval",))]
 
@@ -630,10 +628,10 @@ def plan_exp_sft(cfg: Any, exp: ModelConfig, sizes: Mapping[str, int], title: st
   _check_batch(cfg, "batch_size", cfg.batch_size, sizes)
   length = -(-cfg.max_len // 64) * 64  # fidelity.prompt_buckets' top, which train_exp's length buckets are
   rows, new = cfg.eval_batch_size, cfg.max_new_tokens or cfg.max_len
-  copy = _eval_copy_bytes(exp, sizes)
+  copy = sampling_copy_bytes(exp, sizes)
   phases = ("load", "step", "reshard", "eval_score", "eval_decode", "export")
   extra = [
-      Line(f"M_exp params for decoding ({exp.param_dtype}, Predictor's)", copy, phases[1:]),
+      Line(f"M_exp params for decoding ({exp.dtype}, Predictor's)", copy, phases[1:]),
       Line("M_exp decoding copy being replaced", copy, ("reshard",)),
       # The scorer reads the Predictor's copy (sampling layout, so no layer is gathered over fsdp).
       Line(f"held-out scoring forward ({rows} rows x {length})", forward_bytes(exp, rows, length, sizes, SAMPLE_RULES),
