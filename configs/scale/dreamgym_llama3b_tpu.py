@@ -26,22 +26,20 @@ worker (CKPT):
            M_exp: 8.030B params, float32 weights, float32 compute, remat none
            component                                           GiB/device  live in
            M_exp params (train layout)                               0.94  all
-           AdamW moments (2 x params dtype)                          1.87  step,reshard,eval_score,eval_decode,export
+           AdamW moments (2 x params dtype)                          1.87  step,eval_score,eval_decode,export
            gradients (f32 accumulator + one in dtype)                1.87  step
            activations (1 rows/device x 3072, per micro-batch)       9.12  step
-           M_exp params for decoding (float32, Predictor's)          3.74  step,reshard,eval_score,eval_decode,export
-           M_exp decoding copy being replaced                        3.74  reshard
+           M_exp params for decoding (float32, Predictor's)          3.74  eval_score,eval_decode
            held-out scoring forward (16 rows x 3072)                 0.91  eval_score
            M_exp KV cache (16 rows x 6144 slots)                     0.75  eval_decode
            M_exp prefill (16 rows x 3072)                            0.91  eval_decode
            export: one block of a leaf gathered whole                0.38  export
            peak load                                                 0.94
-           peak step                                                17.54
-           peak reshard                                             10.29
+           peak step                                                13.80
            peak eval_score                                           7.46
            peak eval_decode                                          8.21
-           peak export                                               6.92
-           fits in 32 GiB per device (55% at the peak)
+           peak export                                               3.18
+           fits in 32 GiB per device (43% at the peak)
 
        dreamjax train-policy --config configs/train_policy_twx.py --set model.checkpoint=$CKPT/Llama-3.2-3B-Instruct \
          --set out_dir=runs/policy_sft/twx_llama3b --set mesh.fsdp=4 --set mesh.tensor=8 --set optim.lr=1e-5 \

@@ -26,22 +26,20 @@ HF folders on every host:
            M_exp: 8.030B params, float32 weights, float32 compute, remat none
            component                                           GiB/device  live in
            M_exp params (train layout)                               1.87  all
-           AdamW moments (2 x params dtype)                          3.74  step,reshard,eval_score,eval_decode,export
+           AdamW moments (2 x params dtype)                          3.74  step,eval_score,eval_decode,export
            gradients (f32 accumulator + one in dtype)                3.74  step
            activations (1 rows/device x 3072, per micro-batch)       9.15  step
-           M_exp params for decoding (float32, Predictor's)          3.74  step,reshard,eval_score,eval_decode,export
-           M_exp decoding copy being replaced                        3.74  reshard
+           M_exp params for decoding (float32, Predictor's)          3.74  eval_score,eval_decode
            held-out scoring forward (16 rows x 3072)                 1.83  eval_score
            M_exp KV cache (16 rows x 6144 slots)                     1.50  eval_decode
            M_exp prefill (16 rows x 3072)                            1.83  eval_decode
            export: one block of a leaf gathered whole                0.38  export
            peak load                                                 1.87
-           peak step                                                22.25
-           peak reshard                                             13.09
+           peak step                                                18.51
            peak eval_score                                          11.18
            peak eval_decode                                         12.68
-           peak export                                               9.73
-           fits in 72 GiB per device (31% at the peak)
+           peak export                                               5.99
+           fits in 72 GiB per device (26% at the peak)
 
        dreamjax train-policy --config configs/train_policy_twx.py --set model.checkpoint=$CKPT/Llama-3.1-8B-Instruct \
          --set out_dir=runs/policy_sft/twx_llama8b --set mesh.fsdp=2 --set mesh.tensor=8 --set optim.lr=1e-5 \

@@ -27,22 +27,20 @@ worker (CKPT):
            M_exp: 8.030B params, float32 weights, float32 compute, remat none
            component                                           GiB/device  live in
            M_exp params (train layout)                               1.87  all
-           AdamW moments (2 x params dtype)                          3.74  step,reshard,eval_score,eval_decode,export
+           AdamW moments (2 x params dtype)                          3.74  step,eval_score,eval_decode,export
            gradients (f32 accumulator + one in dtype)                3.74  step
            activations (1 rows/device x 3072, per micro-batch)      11.92  step
-           M_exp params for decoding (float32, Predictor's)          7.48  step,reshard,eval_score,eval_decode,export
-           M_exp decoding copy being replaced                        7.48  reshard
+           M_exp params for decoding (float32, Predictor's)          7.48  eval_score,eval_decode
            held-out scoring forward (16 rows x 3072)                 1.27  eval_score
            M_exp KV cache (16 rows x 6144 slots)                     1.50  eval_decode
            M_exp prefill (16 rows x 3072)                            1.27  eval_decode
            export: one block of a leaf gathered whole                0.38  export
            peak load                                                 1.87
-           peak step                                                28.75
-           peak reshard                                             20.57
+           peak step                                                21.27
            peak eval_score                                          14.36
            peak eval_decode                                         15.86
-           peak export                                              13.47
-           fits in 95 GiB per device (30% at the peak)
+           peak export                                               5.99
+           fits in 95 GiB per device (22% at the peak)
 
        dreamjax train-policy --config configs/train_policy_twx.py --set model.checkpoint=$CKPT/Qwen2.5-7B-Instruct \
          --set out_dir=runs/policy_sft/twx_qwen7b --set mesh.fsdp=4 --set mesh.tensor=4 --set optim.lr=1e-5 \

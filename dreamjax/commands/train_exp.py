@@ -205,6 +205,7 @@ def _evaluate(predictor: Predictor, scorer: LogpScorer, params: Any, held: list[
   predictor.set_params(params)
   out = {f"held_out_{k}": v for k, v in teacher_forced(scorer, predictor.params, held).items()}
   res = one_step(predictor, decode)
+  predictor.set_params(None)  # the sampling copy lives only while evaluating, not beside every train step
   for k in ("exact_match", "token_f1", "parse_failure", "reward_acc", "done_acc", "invalid_acc"):
     out[f"held_out_{k}"] = res["model"].get(k)
   out["held_out_copy_exact_match"] = res["copy"].get("exact_match")
@@ -256,7 +257,7 @@ def _train(cfg: ExpSftConfig, run: RunFolder, tracker: Tracker, t0: float) -> di
   state = create_train_state(model_cfg, params, optimizer, mesh)
   del params
   total = cfg.steps or max(1, math.ceil(cfg.epochs * len(data.train) / cfg.batch_size))
-  predictor = Predictor(model_cfg, state.params, tokenizer, builder, max_new, cfg.eval_batch_size, mesh)
+  predictor = Predictor(model_cfg, None, tokenizer, builder, max_new, cfg.eval_batch_size, mesh)  # params: _evaluate
   # It scores the Predictor's copy of the weights, which is unrolled whatever the training layout (`sampling_copy`).
   scorer = LogpScorer(model_cfg.replace(scan_layers=False), cfg.eval_batch_size, pad_to=MIN_BUCKET, mesh=mesh)
   decode_subset = data.held_out[: cfg.eval_examples]
@@ -313,6 +314,7 @@ def _train(cfg: ExpSftConfig, run: RunFolder, tracker: Tracker, t0: float) -> di
     if data.held_out:
       predictor.set_params(state.params)
       res = one_step(predictor, data.held_out, scorer=scorer)
+      predictor.set_params(None)
       final = {"model": res["model"], "copy": res["copy"]}
       tracker.log(total, {f"final_held_out_{k}": v for k, v in res["model"].items() if isinstance(v, int | float)}
                   | {f"final_held_out_copy_{k}": v for k, v in res["copy"].items() if isinstance(v, int | float)})

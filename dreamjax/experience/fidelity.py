@@ -92,9 +92,10 @@ class Predictor:
 
   def set_params(self, params: Any) -> None:
     """Uses `params` (training parameters) from now on, as the sampler wants them (`sampling_copy`: unrolled, in the
-    compute dtype, resharded for sampling when there is a mesh)."""
+    compute dtype, resharded for sampling when there is a mesh); None drops the copy (a training loop holds it only
+    while it evaluates)."""
     shardings = None if self.sampler.mesh is None else self.sampler.param_shardings()
-    self.params = sampling_copy(params, self.model_cfg, shardings)
+    self.params = None if params is None else sampling_copy(params, self.model_cfg, shardings)
 
   def generate(self, prompts: Sequence[np.ndarray], temperature: float = 0.0, seed: int = 0) -> list[str]:
     """Decoded outputs (without the stop token), one per prompt."""

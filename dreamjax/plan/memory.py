@@ -29,8 +29,8 @@ The supervised commands that precede an RL run (`plan_policy_sft`, `plan_exp_sft
 picks by the config's fields) hold the same training state and update step, with phases of their own: "load" (the
 weights as loaded, before AdamW exists), DPO's "reference" (its reference log-probs are scored once with the loaded
 weights, so no second copy is kept), "step", their evaluations and "export". Their evaluations sample from the same
-copy as the RL learner's rollouts (`sampling_copy`: compute dtype, sampling layout), and M_exp SFT's `Predictor` keeps
-that copy from its creation to the end.
+copy as the RL learner's rollouts (`sampling_copy`: compute dtype, sampling layout), made for each evaluation and
+dropped after it.
 
 Activations are an estimate, documented here so it can be checked: per token and layer the backward pass needs the
 inputs and outputs of both RMSNorms (4 E), post-RoPE q and k and v ((H + 2 K) D), the attention output (H D), gate,
@@ -619,20 +619,19 @@ def plan_exp_sft(cfg: Any, exp: ModelConfig, sizes: Mapping[str, int], title: st
                  ) -> MemoryPlan:
   """M_exp SFT (`dreamjax train-exp`): the loaded M_exp, its AdamW state and one update step of `batch_size /
   micro_batches` rows of up to `max_len` tokens (rounded up to 64, the largest length bucket), and the held-out
-  evaluation: `Predictor` keeps M_exp's parameters in the sampling layout from its creation to the end, replaced by a
-  fresh copy at each evaluation ("reshard": both are live until the old one is dropped), teacher-forced scoring of
-  `eval_batch_size` rows ("eval_score") and greedy decoding of as many with the `max_new_tokens` budget
-  ("eval_decode"; 0: the run sets it from the data, at most `max_len`, which is what is counted). `cfg` is an
+  evaluation, for which `Predictor` holds a sampling copy of M_exp's weights (`sampling_copy`, dropped after each
+  evaluation): teacher-forced scoring of `eval_batch_size` rows ("eval_score") and greedy decoding of as many with the
+  `max_new_tokens` budget ("eval_decode"; 0: the run sets it from the data, at most `max_len`, which is what is
+  counted). `cfg` is an
   ExpSftConfig, read duck-typed (`EXP_SFT_FIELDS`)."""
   _require(cfg, EXP_SFT_FIELDS, "plan_exp_sft")
   _check_batch(cfg, "batch_size", cfg.batch_size, sizes)
   length = -(-cfg.max_len // 64) * 64  # fidelity.prompt_buckets' top, which train_exp's length buckets are
   rows, new = cfg.eval_batch_size, cfg.max_new_tokens or cfg.max_len
   copy = sampling_copy_bytes(exp, sizes)
-  phases = ("load", "step", "reshard", "eval_score", "eval_decode", "export")
+  phases = ("load", "step", "eval_score", "eval_decode", "export")
   extra = [
-      Line(f"M_exp params for decoding ({exp.dtype}, Predictor's)", copy, phases[1:]),
-      Line("M_exp decoding copy being replaced", copy, ("reshard",)),
+      Line(f"M_exp params for decoding ({exp.dtype}, Predictor's)", copy, ("eval_score", "eval_decode")),
       # The scorer reads the Predictor's copy (sampling layout, so no layer is gathered over fsdp).
       Line(f"held-out scoring forward ({rows} rows x {length})", forward_bytes(exp, rows, length, sizes, SAMPLE_RULES),
            ("eval_score",)),
