@@ -289,7 +289,7 @@ def test_sft_step_plan_tracks_xla_on_the_mesh(micro):
   tensor 2: parameters, AdamW, gradients, one micro-batch's activations) against the compiled SFT train step
   (`make_train_step` with the "sft" objective, as train_exp runs it): XLA's arguments (the donated state and the
   batch) plus its temporaries, per device: 1.10x measured with one micro-batch (2 rows per device), 1.01x with
-  two (1 row). The Predictor's decoding copy, live in the phase too, is not the step's and is left out."""
+  two (1 row)."""
   from dreamjax.rl.objectives import make_objective
   from dreamjax.rl.update import make_train_step
 
