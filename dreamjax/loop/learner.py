@@ -10,7 +10,10 @@ One iteration (`PolicyLearner.iteration`):
 4. update: `epochs` passes over the rows, each cut into optimizer steps of a fixed `rows_per_step` rows (balanced, the
    last padded with empty rows) and a length rounded up to `pad_to`, so the jitted step compiles once per length
    bucket; `micro_batches` splits a step for memory on long contexts. PPO's separate critic then takes its own
-   passes (its `epochs`, `rows_per_step`, or the policy's) with its own step and optimizer.
+   passes (its `epochs`, `rows_per_step`, or the policy's) with its own step and optimizer. With `shared_prefix` the
+   policy's step computes a prefix its rows share once per cluster of rows (`dreamjax.rl.update`, "Shared
+   prefixes"): the same steps on the same rows, to float32 rounding; so does reference scoring (`LogpScorer`), while
+   value scoring and the critic stay per row.
 Its metrics include `env_steps`: answers that parsed and were sent to the env (`evaluate.unparsed_rows`; an
 unparseable answer costs no env step). The loop counts them as real or synthetic transitions by the env's kind.
 
@@ -121,6 +124,11 @@ class RLConfig(RunConfig):
   optim: OptimConfig = OptimConfig(lr=1e-6, clip_norm=1.0)
   rows_per_step: int = 64  # turn rows per optimizer step
   micro_batches: int = 1  # gradient accumulation inside a step (memory)
+  # The update and the reference scoring run a prefix their rows share (a group's turn-0 prompt, a task's instruction)
+  # once per cluster of rows, not once per row: the same loss and gradients to float32 rounding (dreamjax.rl.update,
+  # "Shared prefixes").
+  # Unrolled layers only (ModelSource.scan_layers off). rollout.group_prefill is the sampler's counterpart.
+  shared_prefix: bool = False
   epochs: int = 1  # passes over each iteration's rows (PPO epochs)
   pad_to: int = 128  # row lengths are rounded up to a multiple of this (one compilation per multiple)
   score_batch: int = 32  # rows per reference / value scoring call
@@ -290,7 +298,8 @@ class PolicyLearner:
     self.objective = Objective(cfg.algorithm, dataclasses.replace(cfg.objective, vf_coef=0.0)
                                if cfg.separate_critic else cfg.objective)
     optimizer = make_optimizer(cfg.optim)
-    self.step = make_train_step(model_cfg, self.objective, optimizer, micro_batches=cfg.micro_batches, mesh=mesh)
+    self.step = make_train_step(model_cfg, self.objective, optimizer, micro_batches=cfg.micro_batches, mesh=mesh,
+                                shared_prefix=cfg.shared_prefix, pad_to=cfg.pad_to)
     if cfg.rows_per_step % self.step.row_multiple:
       raise ValueError(f"RLConfig.rows_per_step ({cfg.rows_per_step}) must be a multiple of micro_batches x "
                        f"data-parallel size ({self.step.row_multiple})")
@@ -312,7 +321,8 @@ class PolicyLearner:
                                              dataclasses.replace(cfg.rollout, group_size=1), mesh=mesh,
                                              sampler=self.engine.sampler)
     score = dict(temperature=cfg.rollout.temperature, pad_to=cfg.pad_to, mesh=mesh, rules=TRAIN_RULES)
-    self.ref_scorer = LogpScorer(model_cfg, cfg.score_batch, **score) if self.ref_params is not None else None
+    self.ref_scorer = LogpScorer(model_cfg, cfg.score_batch, shared_prefix=cfg.shared_prefix, **score) \
+        if self.ref_params is not None else None
     self.value_scorer = LogpScorer(model_cfg, cfg.score_batch, with_values=True, **score) if cfg.shared_head else None
     self.root = jax.random.key(cfg.seed)
     self.skips = SkipCounter(cfg.max_nonfinite_updates, "RL update")

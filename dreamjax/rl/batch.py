@@ -12,6 +12,19 @@ Micro-batch layout: the update splits a batch of B rows into k micro-batches by 
 j, j + k, j + 2k, ... (`split_micro_batches`). Rows are sharded over the data axes in contiguous blocks, so a strided
 split gives every micro-batch rows on every device. `dpo_batch` places each pair's rows inside one micro-batch, since
 its loss couples rows.
+
+Shared prefixes (`shared_prefix_batch`): rows that start with the same tokens (a GRPO group's turn-0 rows share their
+whole prompt, every row of a task its system prompt and instruction) can have that prefix's layer work done once. The
+batch is rebuilt on the host: the rows are clustered by their common prefixes (never into a loss token), each cluster
+keeps one prefix row ([groups, P] `prefix_tokens` / `prefix_valid` of a `SharedPrefixBatch`) and each row keeps only
+its suffix, the [B, T] arrays shifted left by its prefix length, with RoPE positions continuing the prefix's and
+`prefix_index` naming its prefix row. `token_logps` runs the prefixes into a KV cache, gathers each row's and runs the
+suffixes against it: the same log-probs, entropies and values on every token the loss reads, to float32 rounding, and
+the same gradients (they flow into a prefix once per row, summed). Rows are reordered so that each cluster lies in one
+micro-batch where it fits (a cluster split between micro-batches recomputes its prefix in each), and prefix rows are
+laid out by stride like the rows, with `prefix_index` local to the micro-batch (as DPO's pair ids), so
+`split_micro_batches` splits both. Losses are sums over rows, so the order and the micro-batch a row lands in change
+nothing but rounding; DPO's pairs are not kept together, so it is for the per-row objectives (policy gradient, SFT).
 """
 
 from __future__ import annotations
@@ -45,12 +58,30 @@ class TokenBatch:
   chosen: Bool[Array, " B"]  # DPO: the row belongs to the chosen trajectory
 
   @property
+  def prefix(self) -> tuple[Array, Array, Array] | None:
+    """Shared prefixes for `token_logps` (`SharedPrefixBatch`); None: every row is whole."""
+    return None
+
+  @property
   def num_rows(self) -> int:
     return int(self.tokens.shape[0])
 
   @property
   def length(self) -> int:
     return int(self.tokens.shape[1])
+
+
+@flax.struct.dataclass
+class SharedPrefixBatch(TokenBatch):
+  """A `TokenBatch` whose [B, T] arrays hold each row's suffix after a shared prefix (`shared_prefix_batch`)."""
+
+  prefix_tokens: Int[Array, "Q P"]  # one row per prefix, valid slots first
+  prefix_valid: Bool[Array, "Q P"]
+  prefix_index: Int[Array, " B"]  # the row's prefix row, local to its micro-batch
+
+  @property
+  def prefix(self) -> tuple[Array, Array, Array]:
+    return self.prefix_tokens, self.prefix_valid, self.prefix_index
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -271,3 +302,134 @@ def dpo_batch(pairs: Sequence[tuple[Sequence[Row], Sequence[Row]]], *, micro_bat
       d["loss_mask"][r, :len(ids)] = mask
       d["pair"][r], d["chosen"][r] = local, flag
   return _finish(d)
+
+
+def _lcp(a: np.ndarray, b: np.ndarray) -> int:
+  m = min(len(a), len(b))
+  diff = np.flatnonzero(a[:m] != b[:m])
+  return int(diff[0]) if len(diff) else m
+
+
+def _plan(seqs: list[np.ndarray], lengths: list[int], k: int, per: int, dp: int, pad_to: int
+          ) -> tuple[list[list[tuple[int, list[int]]]], int, int]:
+  """The cheapest layout of rows 0 .. n - 1 (lengths `lengths`, prefix candidates `seqs`): (per micro-batch a list
+  of (prefix length, rows), prefix length P, suffix length S).
+
+  Every row fits in one prefix row of P slots plus its suffix of S slots, so the step's token slots are those of
+  k x Q prefix rows of P plus B rows of S (Q prefix rows per micro-batch). For each S (multiples of `pad_to` from the
+  longest a row's loss needs), rows sorted lexicographically are cut greedily into the fewest clusters whose common
+  prefix (the least of neighbours' common prefixes: rows with long common prefixes are neighbours once sorted) leaves
+  every member's suffix within S: a cluster that fits stays one when shortened, so the greedy cut is minimal. A lone
+  row is a cluster of its own whole candidate. The S with the fewest slots wins. Clusters then fill micro-batch 0,
+  then 1, ... in sorted order, a cluster that does not fit being split (each part recomputes the prefix)."""
+  n = len(seqs)
+  order = sorted(range(n), key=lambda i: tuple(seqs[i].tolist()))
+  link = [_lcp(seqs[order[i]], seqs[order[i + 1]]) for i in range(n - 1)]
+  shortest = _round_up(max(lengths[i] - len(seqs[i]) for i in range(n)), pad_to)
+  best = None
+  for slen in range(shortest, _round_up(max(lengths), pad_to) + 1, pad_to):
+    clusters, start = [], 0  # (common prefix, longest row, sorted positions)
+    shared, longest = len(seqs[order[0]]), lengths[order[0]]
+    for i in range(1, n + 1):
+      if i < n:
+        s2, l2 = min(shared, link[i - 1]), max(longest, lengths[order[i]])  # a link is at most either candidate
+        if s2 >= l2 - slen:
+          shared, longest = s2, l2
+          continue
+      clusters.append((shared, longest, order[start:i]))
+      if i < n:
+        start, shared, longest = i, len(seqs[order[i]]), lengths[order[i]]
+    plen = _round_up(max(longest - slen for _, longest, _ in clusters), pad_to)
+    micro: list[list[tuple[int, list[int]]]] = [[] for _ in range(k)]
+    j = used = 0
+    for shared, _, members in clusters:
+      while members:
+        if used == per:
+          j, used = j + 1, 0
+        part, members = members[:per - used], members[per - used:]
+        micro[j].append((min(shared, plen), part))
+        used += len(part)
+    q = max(len(m) for m in micro)
+    q = _round_up(1 << (q - 1).bit_length(), dp)
+    cost = q * k * plen + k * per * slen
+    if best is None or cost < best[0]:
+      best = (cost, micro, plen, slen)
+  return best[1:]
+
+
+def shared_prefix_batch(batch: TokenBatch, *, micro_batches: int = 1, row_multiple: int = 1, pad_to: int = 64
+                        ) -> SharedPrefixBatch:
+  """`batch` (host, rows whole) with shared prefixes (see the module docstring); rows may come in any order.
+
+  A row's prefix is at most its tokens before the one that predicts its first loss token (its whole row less one
+  token when it has none), so every token the loss reads, and the value at a turn's first action token, is computed
+  in the suffix. The clusters and both lengths are chosen for the fewest token slots (`_plan`). Shapes: the rows stay
+  `batch.num_rows` (a multiple of `row_multiple`, micro-batches x data-parallel size), the prefix rows per
+  micro-batch are rounded up to a power of two and a multiple of the data-parallel size, and both lengths up to a
+  multiple of `pad_to`, so a stream of batches compiles a few times."""
+  return shared_prefix_layout(batch, micro_batches=micro_batches, row_multiple=row_multiple, pad_to=pad_to)[0]
+
+
+def shared_prefix_layout(batch: TokenBatch, *, micro_batches: int = 1, row_multiple: int = 1, pad_to: int = 64
+                         ) -> tuple[SharedPrefixBatch, np.ndarray, np.ndarray]:
+  """`shared_prefix_batch`, and where each of its rows came from: (batch, source row [B] (-1: an empty row), prefix
+  length [B]), so that a suffix's per-token output goes back to source row r at columns offset.. (`LogpScorer`)."""
+  if batch.prefix is not None:
+    raise ValueError("shared_prefix_batch: the batch already has shared prefixes")
+  if row_multiple % micro_batches or batch.num_rows % row_multiple:
+    raise ValueError(f"shared_prefix_batch: {batch.num_rows} rows, micro_batches {micro_batches} and row_multiple "
+                     f"{row_multiple}: need rows a multiple of row_multiple, a multiple of micro_batches")
+  host = {f: np.asarray(getattr(batch, f)) for f in _empty(0, 0)}
+  valid, loss_mask, tokens = host["valid"], host["loss_mask"], host["tokens"]
+  b, t = tokens.shape
+  lengths = valid.sum(-1)
+  if not (valid == (np.arange(t)[None] < lengths[:, None])).all():
+    raise ValueError("shared_prefix_batch: each row's valid tokens must come first (rows as rl_batch builds them)")
+  rows = [r for r in range(b) if lengths[r]] or [0]  # an all-empty batch still gets the layout
+  seqs = []
+  for r in rows:
+    loss = np.flatnonzero(loss_mask[r])
+    seqs.append(tokens[r, :max(int(loss[0]) - 1 if len(loss) else int(lengths[r]) - 1, 0)])
+  k = micro_batches
+  micro, plen, slen = _plan(seqs, [int(lengths[r]) for r in rows], k, b // k, row_multiple // k, pad_to)
+  q = _round_up(1 << (max(len(m) for m in micro) - 1).bit_length(), row_multiple // k)
+
+  d = _empty(b, slen)
+  d.update(prefix_tokens=np.zeros((q * k, plen), np.int32), prefix_valid=np.zeros((q * k, plen), bool),
+           prefix_index=np.zeros((b,), np.int32))
+  source, offset = np.full((b,), -1, np.int32), np.zeros((b,), np.int32)
+  for j, entries in enumerate(micro):
+    i = 0
+    for e, (p, part) in enumerate(entries):
+      first = rows[part[0]]
+      d["prefix_tokens"][e * k + j, :p] = tokens[first, :p]
+      d["prefix_valid"][e * k + j, :p] = True
+      for x in part:
+        r = rows[x]
+        row, n = i * k + j, int(lengths[r]) - p
+        for f in ("tokens", "valid", "loss_mask", "old_logp", "ref_logp", "advantages", "returns", "old_values"):
+          d[f][row, :n] = host[f][r, p:p + n]
+        d["positions"][row, :n] = p + np.arange(n)
+        d["pair"][row], d["chosen"][row], d["prefix_index"][row] = host["pair"][r], host["chosen"][r], e
+        source[row], offset[row] = (r, p) if lengths[r] else (-1, 0)
+        i += 1
+  d["loss_mask"] = np.where(d["valid"], d["loss_mask"], 0.0).astype(np.float32)
+  return SharedPrefixBatch(**d), source, offset
+
+
+def prefix_stats(batch: SharedPrefixBatch, micro_batches: int = 1) -> dict[str, float]:
+  """How much of a `shared_prefix_batch`'s (built with `micro_batches`) row tokens its prefixes cover:
+  `shared_frac` = 1 - tokens computed (prefix rows' + suffixes') / the rows' own tokens, and `slot_ratio` = token
+  slots of the padded shapes (prefix rows x P + rows x S) over those of `rows x longest row` (the per-row batch's
+  shape before its length is rounded up)."""
+  valid, pvalid = np.asarray(batch.valid), np.asarray(batch.prefix_valid)
+  k = micro_batches
+  idx = np.asarray(batch.prefix_index) * k + np.arange(valid.shape[0]) % k  # the rows' prefix rows, global
+  suffix, prefix = valid.sum(-1), pvalid.sum(-1)
+  live = suffix > 0
+  row_tokens = int((suffix + prefix[idx])[live].sum())
+  computed = int(suffix.sum() + prefix[np.unique(idx[live])].sum())
+  longest = int((suffix + prefix[idx])[live].max(initial=1))
+  return dict(rows=int(live.sum()), prefixes=int((prefix[np.unique(idx[live])] > 0).sum()), row_tokens=row_tokens,
+              computed_tokens=computed, shared_frac=1 - computed / max(row_tokens, 1),
+              slot_ratio=(pvalid.size + valid.size) / (valid.shape[0] * longest))

@@ -22,6 +22,14 @@ standard benchmark model's FLOPs. Log-probs (and entropies) are then 0 outside t
 
 `temperature` divides the logits as the sampler does, so importance ratios compare like with like.
 
+Shared prefixes (`prefix`, built by `dreamjax.rl.batch.shared_prefix_batch`): each prefix row is run once into a
+KV cache (the cache path of the same `Transformer`, differentiable), each row gathers its prefix's keys and values
+and runs only its suffix against them, with positions continuing the prefix's. A query sees the same valid keys at
+the same RoPE positions as in the whole row, so every output equals the per-row forward's up to float32 rounding
+(softmax sums in another order); the suffix's first token has no in-row predecessor and is not scored, which is why
+prefixes stop before the token that predicts a row's first loss token. Stacked layers (`scan_layers`) serve
+cache-free forwards only, so they are refused here.
+
 Critic values: `token_values` reads the same aligned values from a model with a value head but no LM head (PPO's
 separate critic, `dreamjax.rl.critic`), and `LogpScorer(values_only=True)` scores them in the scorer's batches.
 """
@@ -38,7 +46,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from dreamjax.models.config import ModelConfig
-from dreamjax.models.transformer import Transformer
+from dreamjax.models.transformer import KVCache, ModelOutput, Transformer
 from dreamjax.parallel.distributed import to_devices, to_host
 from dreamjax.parallel.sharding import TRAIN_RULES, Rules, constrain, named_sharding
 from dreamjax.rl.losses import entropy_from_logits
@@ -104,6 +112,34 @@ def score_len_for(masks) -> int:
   return 0 if most == 0 else max(64, 1 << (most - 1).bit_length())
 
 
+Prefix = tuple[Int[Array, "Q P"], Bool[Array, "Q P"], Int[Array, " B"]]  # prefix tokens, valid, each row's prefix row
+
+
+def forward_hidden(cfg: ModelConfig, params, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
+                   valid: Bool[Array, "B T"], prefix: Prefix | None = None) -> ModelOutput:
+  """The model's final hidden states (and values) over the rows, or over their suffixes after shared `prefix`es
+  (see the module docstring)."""
+  model = Transformer(cfg)
+  if prefix is None:
+    return model.apply({"params": params}, tokens, positions, valid, return_hidden=True)
+  if cfg.scan_layers:
+    raise ValueError("shared prefixes run a KV-cache forward, which stacked layers (ModelConfig.scan_layers) do not "
+                     "serve; train with unrolled layers or leave shared_prefix off")
+  prefix_tokens, prefix_valid, index = prefix
+  q, p = prefix_tokens.shape
+  s = tokens.shape[1]
+  # Prefix slots 0 .. P - 1, suffix slots P .. P + S - 1: slots only order the causal mask (every prefix slot comes
+  # before every suffix slot), the RoPE positions are the rows' own.
+  prefix_positions = jnp.maximum(jnp.cumsum(prefix_valid, -1) - 1, 0)
+  key_valid = jnp.concatenate([prefix_valid, jnp.zeros((q, s), bool)], -1)
+  # last_only: the prefix's logits and values are never read (XLA drops the head), only its keys and values.
+  cache = model.apply({"params": params}, prefix_tokens, prefix_positions, key_valid,
+                      cache=KVCache.zeros(cfg, q, p + s), cache_index=0, last_only=True).cache
+  cache = jax.tree.map(lambda x: jnp.take(x, index, axis=0), cache)
+  key_valid = jnp.concatenate([jnp.take(prefix_valid, index, axis=0), valid], -1)
+  return model.apply({"params": params}, tokens, positions, key_valid, cache=cache, cache_index=p, return_hidden=True)
+
+
 def token_logps(
     cfg: ModelConfig,
     params,
@@ -117,18 +153,20 @@ def token_logps(
     chunk_size: int | None = None,
     score_mask: Array | None = None,
     score_len: int | None = None,
+    prefix: Prefix | None = None,
 ) -> TokenLogps:
   """Log-probs (and optionally entropies and values) of every token given its prefix; see the module docstring.
 
   `chunk_size` is the number of positions per vocabulary-projection chunk (None: all at once when B * T * V is at
   most MAX_LOGITS, else the largest chunk under it). `score_mask` [B, T] (nonzero: scored) limits log-probs and
-  entropies to those tokens; it needs `score_len` >= its largest row count (`score_len_for`), a static int."""
+  entropies to those tokens; it needs `score_len` >= its largest row count (`score_len_for`), a static int.
+  `prefix`: the rows are suffixes after shared prefixes (`TokenBatch.prefix`; see the module docstring)."""
   if with_values and not cfg.value_head:
     raise ValueError("token_logps(with_values=True) needs a model with a value head (ModelConfig.value_head=True)")
   if (score_mask is None) != (score_len is None):
     raise ValueError("token_logps: score_mask and score_len go together (score_len = score_len_for(score_mask))")
   b, t = tokens.shape
-  out = Transformer(cfg).apply({"params": params}, tokens, positions, valid, return_hidden=True)
+  out = forward_hidden(cfg, params, tokens, positions, valid, prefix)
   hidden = out.hidden  # [B, T, E], after the final norm
   project = functools.partial(_project, head=_head(cfg, params), cfg=cfg, temperature=temperature,
                               with_entropy=with_entropy)
@@ -188,16 +226,22 @@ class LogpScorer:
   Rows are padded to `batch_size` and the length to a multiple of `pad_to`, so a stream of batches of varying shape
   compiles once per length bucket. Host in, host out: returns NumPy arrays of the caller's shape.
   `values_only` scores a critic's values (`token_values`; its log-probs come back as zeros).
+  `shared_prefix` (log-probs under a `mask` only, no values) runs the prefixes each batch's rows share once
+  (`dreamjax.rl.batch.shared_prefix_layout`; see the module docstring) and puts the suffixes' log-probs back in the
+  caller's rows: the same values to float32 rounding. Each batch's layout is a shape of its own (a few per run).
   """
 
   def __init__(self, cfg: ModelConfig, batch_size: int, *, with_values: bool = False, temperature: float = 1.0,
                pad_to: int = 64, chunk_size: int | None = None, mesh: jax.sharding.Mesh | None = None,
-               rules: Rules = TRAIN_RULES, values_only: bool = False):
+               rules: Rules = TRAIN_RULES, values_only: bool = False, shared_prefix: bool = False):
     with_values = with_values or values_only
     if with_values and not cfg.value_head:
       raise ValueError("LogpScorer(with_values=True) needs a model with a value head (ModelConfig.value_head=True)")
+    if shared_prefix and (with_values or cfg.scan_layers):
+      # Values are read before the loss tokens (a turn's state), which a prefix would hold.
+      raise ValueError("LogpScorer(shared_prefix=True) scores log-probs only (no values), with unrolled layers")
     self.cfg, self.batch_size, self.pad_to, self.mesh, self.rules = cfg, batch_size, pad_to, mesh, rules
-    self.with_values = with_values
+    self.with_values, self.shared_prefix = with_values, shared_prefix
     if values_only:
       self._fn = jax.jit(lambda p, tok, pos, val, mask, score_len: TokenLogps(
           logp=jnp.zeros(tok.shape, jnp.float32), entropy=None, values=token_values(cfg, p, tok, pos, val)),
@@ -207,6 +251,8 @@ class LogpScorer:
     # `mask` is ignored unless score_len is set (then mask is the score mask).
     self._fn = jax.jit(lambda p, tok, pos, val, mask, score_len: fn(
         p, tok, pos, val, score_mask=None if score_len is None else mask, score_len=score_len), static_argnums=5)
+    self._prefix_fn = jax.jit(lambda p, tok, pos, val, mask, ptok, pval, pidx, score_len: fn(
+        p, tok, pos, val, score_mask=mask, score_len=score_len, prefix=(ptok, pval, pidx)), static_argnums=8)
 
   def __call__(self, params, tokens: np.ndarray, positions: np.ndarray | None, valid: np.ndarray,
                mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -233,11 +279,43 @@ class LogpScorer:
         buf = np.zeros((self.batch_size, width), x.dtype)
         buf[:n, :t] = x[rows]
         arrays.append(buf)
+      if self.shared_prefix and score_len is not None:
+        logp[rows] = self._shared(params, arrays, score_len)[:n, :t]
+        continue
       out = to_host(self._run(params, arrays, score_len))  # rows sharded over every process's devices: gathered whole
       logp[rows] = out.logp[:n, :t]
       if values is not None:
         values[rows] = out.values[:n, :t]
     return logp, values
+
+  def _shared(self, params, arrays: list[np.ndarray], score_len: int) -> np.ndarray:
+    """One batch's log-probs [batch_size, width] through shared prefixes: suffixes scored, put back in place."""
+    from dreamjax.rl.batch import TokenBatch, shared_prefix_layout  # batch imports this module
+
+    tokens, positions, valid, mask = arrays
+    if (np.where(valid, positions, 0) != row_positions(valid) * valid).any():
+      raise ValueError("LogpScorer(shared_prefix=True): positions must be row_positions(valid) (a prefix's continue)")
+    zeros = np.zeros(tokens.shape, np.float32)
+    rows = np.zeros(tokens.shape[:1], np.int32)
+    batch = TokenBatch(tokens=tokens, positions=positions, valid=valid, loss_mask=mask.astype(np.float32),
+                       old_logp=zeros, ref_logp=zeros, advantages=zeros, returns=zeros, old_values=zeros, pair=rows,
+                       chosen=rows.astype(bool))
+    shared, source, offset = shared_prefix_layout(batch, pad_to=self.pad_to)
+    prefix = [shared.prefix_tokens, shared.prefix_valid, shared.prefix_index]
+    suffix = [shared.tokens, shared.positions, shared.valid, shared.loss_mask != 0]
+    if self.mesh is None:
+      out = self._prefix_fn(params, *suffix, *prefix, score_len)
+    else:
+      shard = lambda x: named_sharding(("batch",) + (None,) * (x.ndim - 1), x.shape, self.mesh, self.rules)  # noqa: E731
+      placed = to_devices(tuple(suffix + prefix), tuple(shard(x) for x in suffix + prefix))
+      with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+        out = self._prefix_fn(params, *placed, score_len)
+    suffix_logp = to_host(out.logp)
+    logp = np.zeros(tokens.shape, np.float32)
+    for row in np.flatnonzero(source >= 0):
+      n = int(shared.valid[row].sum())
+      logp[source[row], offset[row]:offset[row] + n] = suffix_logp[row, :n]
+    return logp
 
   def _run(self, params, arrays: list[np.ndarray], score_len: int | None) -> TokenLogps:
     if self.mesh is None:

@@ -1,7 +1,9 @@
 """Training objectives over a `TokenBatch`: PPO and GRPO (one policy-gradient loss, different terms), SFT and DPO.
 
 Each objective is a frozen config plus a pure loss function `(params, batch, rng, cfg, *, model_cfg, score_len) ->
-(loss, metrics)` that runs the model once (`token_logps`) and combines the per-token losses of `dreamjax.rl.losses`.
+(loss, metrics)` that runs the model once (`token_logps`; over shared prefixes and row suffixes when the batch has
+them, `dreamjax.rl.batch.shared_prefix_batch`, which the policy-gradient and SFT losses read like whole rows) and
+combines the per-token losses of `dreamjax.rl.losses`.
 `Objective` binds the two and adds `normalizer(batch)`: the count the loss averages over (loss tokens for
 `token_mean`, rows with a loss token for the seq-mean modes, complete pairs for DPO). The update weighs each
 micro-batch's loss by its share of that count, which makes k accumulated micro-batches exactly one big batch
@@ -108,7 +110,8 @@ class DpoLossConfig:
 def _logps(model_cfg: ModelConfig, params, batch: TokenBatch, score_len: int | None, **kw):
   """The model's log-probs of the batch's tokens; only of its loss tokens when the caller gives their `score_len`."""
   return token_logps(model_cfg, params, batch.tokens, batch.positions, batch.valid,
-                     score_mask=None if score_len is None else batch.loss_mask, score_len=score_len, **kw)
+                     score_mask=None if score_len is None else batch.loss_mask, score_len=score_len,
+                     prefix=batch.prefix, **kw)
 
 
 def policy_gradient_objective(params, batch: TokenBatch, rng: jax.Array, cfg: PolicyGradientConfig, *,
@@ -143,6 +146,8 @@ def value_objective(params, batch: TokenBatch, rng: jax.Array, cfg: ValueLossCon
                     model_cfg: ModelConfig, score_len: int | None = None) -> tuple[Float[Array, ""], Metrics]:
   """The critic's value loss on the batch's loss tokens, against `returns`, clipped around `old_values`."""
   del rng, score_len  # a critic projects nothing onto the vocabulary
+  if batch.prefix is not None:
+    raise ValueError("the critic's value loss takes rows whole (no shared prefixes)")
   values = token_values(model_cfg, params, batch.tokens, batch.positions, batch.valid)
   loss, metrics = value_loss(values, batch.old_values, batch.returns, batch.loss_mask, clip=cfg.clip, agg=cfg.agg)
   metrics.update(vf_loss=loss, loss=loss)
@@ -175,6 +180,8 @@ def dpo_objective(params, batch: TokenBatch, rng: jax.Array, cfg: DpoLossConfig,
                   model_cfg: ModelConfig, score_len: int | None = None) -> tuple[Float[Array, ""], Metrics]:
   """DPO on trajectory log-probs: token log-probs summed over the loss tokens of every row of a trajectory."""
   del rng
+  if batch.prefix is not None:
+    raise ValueError("DPO couples rows of a pair, which shared-prefix batches do not keep together")
   logp = _logps(model_cfg, params, batch, score_len, chunk_size=cfg.chunk_size).logp
   mask = batch.loss_mask
   chosen, rejected, complete = _pair_sums(batch, jnp.sum(logp * mask, -1))

@@ -31,6 +31,13 @@ Loss tokens. The loss reads log-probs on the batch's loss tokens only, so only t
 (`token_logps(score_mask=...)`); their count per row, rounded up to a power of two (`score_len_for`), is a static
 argument: by default the batch's, so a batch with more loss tokens per row than any before compiles once more; SFT and
 DPO trainers pass their whole data's.
+
+Shared prefixes. `TrainStep(shared_prefix=True)` rebuilds each batch on the host with `shared_prefix_batch` (rows whole
+in, clusters of rows sharing a prefix out, each cluster inside one micro-batch where it fits) so that the loss runs a
+shared prefix's layers once per cluster (`token_logps(prefix=...)`): the same loss and gradients as the per-row step
+on the same rows, to float32 rounding (tests/test_shared_prefix.py). Each new (prefix rows, prefix length, suffix
+length) shape compiles once; the prefix rows per micro-batch are rounded up to a power of two to keep them few.
+Policy-gradient and SFT objectives only (DPO pairs and the critic's value loss take rows whole).
 """
 
 from __future__ import annotations
@@ -48,10 +55,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dreamjax.models.config import ModelConfig
 from dreamjax.parallel.distributed import to_devices
 from dreamjax.parallel.sharding import TRAIN_RULES, Rules, logical_to_spec
-from dreamjax.rl.batch import TokenBatch, split_micro_batches
+from dreamjax.rl.batch import SharedPrefixBatch, TokenBatch, shared_prefix_batch, split_micro_batches
 from dreamjax.rl.logprobs import most_scored, score_len_for
 from dreamjax.rl.losses import safe_div
-from dreamjax.rl.objectives import LOSS_METRICS, Objective
+from dreamjax.rl.objectives import LOSS_METRICS, DpoLossConfig, Objective, ValueLossConfig
 from dreamjax.rl.optim import current_learning_rate
 from dreamjax.rl.train_state import TrainState, train_state_shardings
 
@@ -112,13 +119,16 @@ def _train_step(state: TrainState, batch: TokenBatch, rng: jax.Array, score_len:
   return TrainState(step=state.step + finite.astype(state.step.dtype), params=params, opt_state=opt_state), metrics
 
 
-def batch_shardings(mesh: jax.sharding.Mesh, rules: Rules = TRAIN_RULES) -> TokenBatch:
-  """A TokenBatch of shardings: rows over the rules' `batch` axes, everything else whole."""
+def batch_shardings(mesh: jax.sharding.Mesh, rules: Rules = TRAIN_RULES, shared_prefix: bool = False) -> TokenBatch:
+  """A TokenBatch of shardings: rows over the rules' `batch` axes, everything else whole; with `shared_prefix`, the
+  prefix rows too (`shared_prefix_batch` makes their count a multiple of the data-parallel size)."""
   spec = logical_to_spec(("batch",), (int(np.prod(list(mesh.shape.values()))),), mesh, rules)
   rows = NamedSharding(mesh, PartitionSpec(spec[0], None))
   flat = NamedSharding(mesh, PartitionSpec(spec[0]))
   fields = {f: rows for f in ("tokens", "positions", "valid", "loss_mask", "old_logp", "ref_logp", "advantages",
                               "returns", "old_values")}
+  if shared_prefix:
+    return SharedPrefixBatch(**fields, pair=flat, chosen=flat, prefix_tokens=rows, prefix_valid=rows, prefix_index=flat)
   return TokenBatch(**fields, pair=flat, chosen=flat)
 
 
@@ -133,14 +143,20 @@ def data_parallel_size(mesh: jax.sharding.Mesh | None, rules: Rules = TRAIN_RULE
 
 class TrainStep:
   """The jitted step bound to a model, objective, optimizer and (optionally) mesh. Call as `step(state, batch, rng)`;
-  the state argument is donated (do not reuse it after the call)."""
+  the state argument is donated (do not reuse it after the call). `shared_prefix`: rebuild each batch (rows whole)
+  with shared prefixes, their lengths rounded up to `pad_to` (see the module docstring)."""
 
   def __init__(self, model_cfg: ModelConfig, objective: Objective, optimizer: optax.GradientTransformation, *,
                micro_batches: int = 1, mesh: jax.sharding.Mesh | None = None, rules: Rules = TRAIN_RULES,
-               abstract: Any = None):
+               abstract: Any = None, shared_prefix: bool = False, pad_to: int = 64):
     if micro_batches < 1:
       raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     objective.check(model_cfg)
+    if shared_prefix and (isinstance(objective.config, DpoLossConfig | ValueLossConfig) or model_cfg.scan_layers):
+      raise ValueError(f"TrainStep: shared_prefix needs a per-row objective (policy gradient or SFT, not "
+                       f"{objective.name!r}) and unrolled layers (ModelConfig.scan_layers={model_cfg.scan_layers}): "
+                       "its prefix forward writes a KV cache")
+    self.shared_prefix, self.pad_to = shared_prefix, pad_to
     self.model_cfg, self.objective, self.micro_batches, self.mesh, self.rules = (
         model_cfg, objective, micro_batches, mesh, rules)
     self.row_multiple = micro_batches * data_parallel_size(mesh, rules)
@@ -152,7 +168,7 @@ class TrainStep:
     state_sh = train_state_shardings(model_cfg, optimizer, mesh, rules, abstract)
     replicated = NamedSharding(mesh, PartitionSpec())
     fn = functools.partial(fn, grad_shardings=state_sh.params)
-    self._batch_shardings = batch_shardings(mesh, rules)
+    self._batch_shardings = batch_shardings(mesh, rules, shared_prefix)
     self._fn = jax.jit(fn, in_shardings=(state_sh, self._batch_shardings, replicated),
                        out_shardings=(state_sh, replicated), donate_argnums=0, static_argnums=3)
 
@@ -173,6 +189,9 @@ class TrainStep:
     elif score_len < most_scored(batch.loss_mask):
       raise ValueError(f"TrainStep: score_len {score_len} is less than the {most_scored(batch.loss_mask)} loss tokens "
                        "of a row of this batch")
+    if self.shared_prefix:  # a row keeps all its loss tokens in its suffix: score_len holds
+      batch = shared_prefix_batch(batch, micro_batches=self.micro_batches, row_multiple=self.row_multiple,
+                                  pad_to=self.pad_to)
     if self.mesh is None:
       return self._fn(state, batch, rng, score_len)
     # Placed here rather than by jit: with several processes jit refuses host (NumPy) rows for sharded inputs; every
@@ -221,8 +240,8 @@ class SkipCounter:
 
 def make_train_step(model_cfg: ModelConfig, objective: Objective, optimizer: optax.GradientTransformation, *,
                     micro_batches: int = 1, mesh: jax.sharding.Mesh | None = None, rules: Rules = TRAIN_RULES,
-                    abstract: Any = None) -> TrainStep:
+                    abstract: Any = None, shared_prefix: bool = False, pad_to: int = 64) -> TrainStep:
   """See `TrainStep`; `abstract` is the state's parameter tree when it is not the model's whole tree (PPO's separate
   critic, `dreamjax.rl.critic`), as in `train_state_shardings`."""
   return TrainStep(model_cfg, objective, optimizer, micro_batches=micro_batches, mesh=mesh, rules=rules,
-                   abstract=abstract)
+                   abstract=abstract, shared_prefix=shared_prefix, pad_to=pad_to)

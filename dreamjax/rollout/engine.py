@@ -35,6 +35,12 @@ action listed in its prompt): the same tokens under greedy decoding, the same di
 (dreamjax/sampling/sampler.py). `stats` counts the sampler's forward passes and accepted draft tokens, from which
 `speculation_rates` gives the acceptance length that rollouts log.
 
+`RolloutConfig.group_prefill` prefills a GRPO group's prompt once when its G rows all have the same prompt (always at
+turn 0, where every row of a group starts from the same observation; later only where the rows' histories agree):
+the engine checks this on the host every turn and asks the sampler for its grouped prefill (`Sampler.__call__`'s
+`group`), which yields the same tokens and log-probs (to float32 rounding) as the plain call. It compiles the
+sampler once more per prompt bucket, hence off by default; `stats["grouped_turns"]` counts the turns that used it.
+
 The engine sees the env only through the BatchEnv protocol, so real envs, env pools and the experience model's
 SyntheticEnv are driven the same way.
 """
@@ -71,6 +77,7 @@ class RolloutConfig:
   top_p: float = 1.0
   top_k: int = 0
   speculative: SpeculativeConfig = SpeculativeConfig()  # copy-speculative decoding (draft_tokens 0: off)
+  group_prefill: bool = False  # prefill a group's prompt once when its G rows' prompts are equal (module docstring)
 
   def __post_init__(self):
     for name in ("group_size", "max_turns", "max_action_tokens", "max_episode_tokens"):
@@ -168,7 +175,7 @@ class RolloutEngine:
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
       key = jax.random.wrap_key_data(key)
     stats = dict(sample_s=0.0, env_s=0.0, turns=0, sampled_tokens=0, parse_failures=0, env_invalid=0, env_errors=0,
-                 budget_cut=0, buckets=set())
+                 budget_cut=0, grouped_turns=0, buckets=set())
     steps_left = max_env_steps if max_env_steps > 0 else None
     start = time.perf_counter()
     n = len(tasks) * cfg.group_size
@@ -200,10 +207,16 @@ class RolloutEngine:
       for r in prompts:
         budget[r] = min(cfg.max_action_tokens, cfg.max_episode_tokens - eps[r].used)
 
+      group = self._prefill_group(tokens, mask)
+      stats["grouped_turns"] += group > 1
+
       t0 = time.perf_counter()
       keys = _ROW_KEYS(key, turn, n)
       # to_host: with several processes the rows are sharded over all of them, and every process needs every row
-      out = to_host(self.sampler(params, tokens, mask, keys, sp.replace(max_new_tokens=jnp.asarray(budget))))
+      # (`group` only when grouped: stand-in samplers of tests and tools take the plain call's arguments)
+      grouped = {"group": group} if group > 1 else {}
+      out = to_host(self.sampler(params, tokens, mask, keys, sp.replace(max_new_tokens=jnp.asarray(budget)),
+                                 **grouped))
       stats["sample_s"] += time.perf_counter() - t0
       stats["turns"] += 1
       count_speculation(stats, out, live)
@@ -273,6 +286,15 @@ class RolloutEngine:
     stats.update(episodes=n, rows=traj.num_rows, buckets=sorted(stats["buckets"]),
                  compilations=self.sampler.compilations(), assemble_s=time.perf_counter() - t0)
     return dataclasses.replace(traj, stats=stats)
+
+  def _prefill_group(self, tokens: np.ndarray, mask: np.ndarray) -> int:
+    """G when `group_prefill` is on and every group's G rows have one prompt (finished rows' dummy prompts are
+    equal too), else 1; and 1 where the sampler would turn G down (`Sampler.group_for`)."""
+    g, n = self.cfg.group_size, tokens.shape[0]
+    if not self.cfg.group_prefill or g == 1 or self.sampler.group_for(n, g) == 1:
+      return 1
+    same = all((x.reshape(n // g, g, -1) == x[::g, None]).all() for x in (tokens, mask))
+    return g if same else 1
 
   def _episode(self, task: Task, obs: Observation, row: int) -> _Episode:
     if not isinstance(obs, Observation):

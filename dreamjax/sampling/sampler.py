@@ -12,6 +12,13 @@ token from the model. Rows then advance at different rates, so each row writes t
 after its last accepted token: rejected drafts' keys and values lie past it, hidden by the causal mask until the
 row's next step overwrites them). Greedy output equals plain decoding's, sampled output has exactly its distribution
 (`logits.verify_draft`), and the log-probs are the model's, as with plain decoding.
+
+Grouped prefill (`Sampler.__call__(..., group=G)`, both decoding modes): when the caller knows that rows come in
+groups of G consecutive rows with identical prompts (a GRPO group's G samples of one prompt), the prefill runs on one
+row of each group and its cache and first logits are repeated G times; decoding then goes on per row, each row with
+its own key, so the output is the ungrouped call's (the prefill's rows are computed alike whatever the batch, up to
+float32 rounding of the matmuls). G is a static argument: one more compilation per shape. Under a mesh, a G whose N / G
+rows would be split differently over the data axes than the N rows falls back to the plain prefill.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from jaxtyping import Array, Bool, Float, Int
 from dreamjax.models.config import ModelConfig
 from dreamjax.models.transformer import KVCache, Transformer
 from dreamjax.parallel.distributed import to_devices
-from dreamjax.parallel.sharding import SAMPLE_RULES, Rules, named_sharding, tree_shardings
+from dreamjax.parallel.sharding import SAMPLE_RULES, Rules, logical_to_spec, named_sharding, tree_shardings
 from dreamjax.sampling.logits import choose_tokens, verify_draft
 
 
@@ -157,16 +164,30 @@ def _left_align(tokens, mask):
   return jnp.where(aligned_mask, jnp.take_along_axis(tokens, src, 1), 0), aligned_mask, lengths
 
 
-def _sample(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, *, cfg: ModelConfig, max_new_tokens: int,
-            pad_id: int) -> SampleOutput:
+def _prefill(model: Transformer, params, tokens, positions, key_valid, slots: int, group: int
+             ) -> tuple[Float[Array, "B V"], KVCache]:
+  """The aligned prompts' forward into a fresh cache of `slots` slots: (next-token logits, cache). With `group` G > 1
+  rows come in G identical copies (see the module docstring): one row of each group is run and the results repeated,
+  so the prompt's layer work is done N / G times instead of N."""
+  if group > 1:
+    tokens, positions, key_valid = (x[::group] for x in (tokens, positions, key_valid))
+  cache = KVCache.zeros(model.config, tokens.shape[0], slots).constrain()
+  out = model.apply({"params": params}, tokens, positions, key_valid, cache=cache, cache_index=0, last_only=True)
+  logits, cache = out.logits[:, 0], out.cache
+  if group > 1:
+    logits = jnp.repeat(logits, group, axis=0)
+    cache = jax.tree.map(lambda x: jnp.repeat(x, group, axis=0), cache).constrain()
+  return logits, cache
+
+
+def _sample(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, group: int = 1, *, cfg: ModelConfig,
+            max_new_tokens: int, pad_id: int) -> SampleOutput:
   model = Transformer(cfg)
   batch, prompt_len = prompt_tokens.shape
   tokens, mask, lengths = _left_align(prompt_tokens, prompt_mask)
   positions = jnp.maximum(jnp.cumsum(mask, -1) - 1, 0)
   key_valid = jnp.concatenate([mask, jnp.zeros((batch, max_new_tokens), bool)], -1)
-  cache = KVCache.zeros(cfg, batch, prompt_len + max_new_tokens)
-  cache = cache.constrain()
-  out = model.apply({"params": params}, tokens, positions, key_valid, cache=cache, cache_index=0, last_only=True)
+  first_logits, cache = _prefill(model, params, tokens, positions, key_valid, prompt_len + max_new_tokens, group)
   state = _State(
       step=jnp.zeros((), jnp.int32),
       tokens=jnp.full((batch, max_new_tokens), pad_id, jnp.int32),
@@ -177,8 +198,8 @@ def _sample(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, *, cfg
       tail=jnp.full((batch, sp.stop.shape[-1]), -2, jnp.int32),
       positions=lengths,
       key_valid=key_valid,
-      logits=out.logits[:, 0],
-      cache=out.cache,
+      logits=first_logits,
+      cache=cache,
   )
 
   def emit(s: _State) -> _State:
@@ -277,8 +298,8 @@ class _SpecState:
   cache: KVCache
 
 
-def _sample_speculative(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, *, cfg: ModelConfig,
-                        max_new_tokens: int, pad_id: int, spec: SpeculativeConfig) -> SampleOutput:
+def _sample_speculative(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, group: int = 1, *,
+                        cfg: ModelConfig, max_new_tokens: int, pad_id: int, spec: SpeculativeConfig) -> SampleOutput:
   """`_sample` with copy-speculative decoding: each loop step drafts K tokens per row by prompt lookup, runs one
   forward over [last token, K drafts] and emits each row's accepted prefix plus one token (1 to K + 1 tokens)."""
   model = Transformer(cfg)
@@ -290,8 +311,7 @@ def _sample_speculative(params, prompt_tokens, prompt_mask, keys, sp: SamplingPa
   # past the end of the cache back onto earlier slots. Generated slots are all valid: the causal mask hides a row's
   # slots past its query, which are the only ones holding rejected drafts.
   key_valid = jnp.concatenate([mask, jnp.ones((batch, n_max + k), bool)], -1)
-  cache = KVCache.zeros(cfg, batch, prompt_len + n_max + k).constrain()
-  out = model.apply({"params": params}, tokens, positions, key_valid, cache=cache, cache_index=0, last_only=True)
+  first_logits, first_cache = _prefill(model, params, tokens, positions, key_valid, prompt_len + n_max + k, group)
   budget = jnp.minimum(sp.max_new_tokens, n_max)
   col = jnp.arange(prompt_len + n_max)
   prompt_valid = jnp.concatenate([mask, jnp.zeros((batch, n_max), bool)], -1)
@@ -312,7 +332,7 @@ def _sample_speculative(params, prompt_tokens, prompt_mask, keys, sp: SamplingPa
 
   # The first token comes from the prefill's logits with plain decoding's uniform, so it is plain decoding's token.
   u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 0)))(keys)
-  token, logp = choose_tokens(out.logits[:, 0], u, sp.temperature, sp.top_p, sp.top_k)
+  token, logp = choose_tokens(first_logits, u, sp.temperature, sp.top_p, sp.top_k)
   live = budget > 0
   state = _SpecState(
       iters=jnp.zeros((), jnp.int32),
@@ -324,7 +344,7 @@ def _sample_speculative(params, prompt_tokens, prompt_mask, keys, sp: SamplingPa
       tail=jnp.full((batch, sp.stop.shape[-1]), -2, jnp.int32),
       forwards=live.astype(jnp.int32),
       draft_accepted=jnp.zeros((batch,), jnp.int32),
-      cache=out.cache,
+      cache=first_cache,
   )
   state = record(state, token, logp, live)
 
@@ -375,7 +395,8 @@ class Sampler:
 
   Calls with the same batch size and prompt length reuse one compilation whatever the settings, prompts or keys.
   `speculative` (off by default) turns on copy-speculative decoding; its statistics are in `SampleOutput.forwards`,
-  `.draft_accepted` and `.speculation_stats()`.
+  `.draft_accepted` and `.speculation_stats()`. A call with `group` G > 1 prefills each group of G identical prompts
+  once (see the module docstring); each G used compiles once more.
   """
 
   def __init__(self, cfg: ModelConfig, max_new_tokens: int, pad_id: int = 0, mesh: jax.sharding.Mesh | None = None,
@@ -389,7 +410,8 @@ class Sampler:
       fn = functools.partial(_sample_speculative, spec=self.speculative)
     else:
       fn = _sample  # plain decoding, untouched by speculation
-    self._fn = jax.jit(functools.partial(fn, cfg=cfg, max_new_tokens=max_new_tokens, pad_id=pad_id))
+    self._fn = jax.jit(functools.partial(fn, cfg=cfg, max_new_tokens=max_new_tokens, pad_id=pad_id),
+                       static_argnums=5)
 
   def param_shardings(self):
     """Where parameters should live for sampling (differs from training when training shards over fsdp)."""
@@ -400,17 +422,33 @@ class Sampler:
   def compilations(self) -> int:
     return self._fn._cache_size()
 
-  def __call__(self, params, prompt_tokens, prompt_mask, key: jax.Array, sp: SamplingParams) -> SampleOutput:
-    """`key`: one PRNG key (split per row) or one key per row [B]."""
+  def group_for(self, batch: int, group: int) -> int:
+    """The prefill group a call of `batch` rows asking for `group` gets: `group`, or 1 (plain prefill) where it does
+    not divide the batch or, under a mesh, where batch / group rows would not be split over the data axes as the
+    batch's rows are (the repeated cache would have to move between devices)."""
+    if group <= 1 or batch % group:
+      return 1
+    if self.mesh is not None:
+      spec = lambda n: logical_to_spec(("batch",), (n,), self.mesh, self.rules)  # noqa: E731
+      if spec(batch // group) != spec(batch):
+        return 1
+    return group
+
+  def __call__(self, params, prompt_tokens, prompt_mask, key: jax.Array, sp: SamplingParams, group: int = 1
+               ) -> SampleOutput:
+    """`key`: one PRNG key (split per row) or one key per row [B]. `group` G: the caller promises that rows
+    G * i .. G * i + G - 1 have identical prompts (tokens and mask), so each group is prefilled once (`group_for`
+    may turn it down); the output is that of `group` 1."""
     batch = np.shape(prompt_tokens)[0]
     keys = key if key.ndim == 1 and key.shape[0] == batch else jax.random.split(key, batch)
     sp = jax.tree.map(jnp.asarray, sp)  # a numpy leaf would be a different jit cache entry than a jax.Array
+    group = self.group_for(batch, group)
     if self.mesh is None:
-      return self._fn(params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool), keys, sp)
+      return self._fn(params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool), keys, sp, group)
     # Host prompts stay NumPy until `to_devices` places them: with several processes each places only its share.
     host = [x.astype(t) if isinstance(x, jax.Array) else np.asarray(x, t)
             for x, t in ((prompt_tokens, np.int32), (prompt_mask, bool))]
     rows = named_sharding(("batch", None), host[0].shape, self.mesh, self.rules)
     prompt_tokens, prompt_mask = to_devices(tuple(host), (rows, rows))
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
-      return self._fn(params, prompt_tokens, prompt_mask, keys, sp)
+      return self._fn(params, prompt_tokens, prompt_mask, keys, sp, group)

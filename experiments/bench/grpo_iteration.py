@@ -5,6 +5,13 @@ Run: `python experiments/bench/grpo_iteration.py` (standard model of BENCHMARKS.
 takes ~10-20 more to warm-start the DreamGym model) or `... --small --no-dreamgym` (tiny model, under a minute).
 Writes table.md and results.json to --out.
 
+`--shared-prefix` adds row 1 again with shared group prompts on, its iterations interleaved with row 1's
+(`RolloutConfig.group_prefill`: the sampler prefills each group's prompt once; `RLConfig.shared_prefix`: reference
+scoring and the update run it once per group, dreamjax/rl/update.py) and a table of the on/off ratios per phase
+(rollout is one turn here, so rollout s is the time per turn); and the prefix statistics of a realistic multi-turn
+batch (`prefix_report`: TextWorld-Express coin games played by a half-expert, half-random stand-in policy, turn prompts
+built by the rollout engine with `dreamjax rl`'s defaults; host only).
+
 Rows (each: `--warmup` iterations, which compile, then the median of `--runs` iterations; rows 1 and 2 have fixed
 shapes, so nothing compiles after the first iteration; the DreamGym row's turn rows vary in length, so a new length
 bucket can still compile in a timed iteration):
@@ -59,13 +66,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dreamjax.loop.learner import PolicyLearner
-from dreamjax.loop.learner import RLConfig
-from dreamjax.models import ModelConfig, load_hf_checkpoint  # noqa: E402
+from dreamjax.loop.learner import PolicyLearner, RLConfig, tokenizer_texts  # noqa: E402
+from dreamjax.models import ModelConfig, load_hf_checkpoint, tiny  # noqa: E402
+from dreamjax.rl.batch import prefix_stats, sft_batch, shared_prefix_batch  # noqa: E402
 from dreamjax.rl.objectives import PolicyGradientConfig  # noqa: E402
 from dreamjax.rl.optim import OptimConfig  # noqa: E402
-from dreamjax.rollout.agent import AgentFormat  # noqa: E402
-from dreamjax.rollout.engine import RolloutConfig  # noqa: E402
+from dreamjax.rollout.agent import AgentFormat, format_answer  # noqa: E402
+from dreamjax.rollout.engine import RolloutConfig, RolloutEngine  # noqa: E402
 from dreamjax.rollout.trajectory import Trajectories  # noqa: E402
 from dreamjax.sampling import sampling_params  # noqa: E402
 from dreamjax.text import Kind, train_bpe_tokenizer  # noqa: E402
@@ -127,12 +134,13 @@ def id_tokenizer():
 
 
 def grpo_learner(model_cfg: ModelConfig, params, tok, prompt_len: int, new_tokens: int, prompts: int = PROMPTS,
-                 group: int = GROUP) -> PolicyLearner:
+                 group: int = GROUP, shared: bool = False) -> PolicyLearner:
   rows = prompts * group
   cfg = RLConfig(objective=OBJECTIVE, optim=OPTIM, tasks_per_iteration=prompts, rows_per_step=rows, score_batch=rows,
                  pad_to=64, rollout=RolloutConfig(group_size=group, max_turns=1, max_action_tokens=new_tokens,
                                                   max_episode_tokens=new_tokens, prompt_buckets=(prompt_len,),
-                                                  temperature=1.0), agent=AgentFormat(think=False))
+                                                  temperature=1.0, group_prefill=shared),
+                 agent=AgentFormat(think=False), shared_prefix=shared)
   return PolicyLearner(cfg, model_cfg, params, tok)
 
 
@@ -165,33 +173,130 @@ def bench_dreamjax_grpo(folder: Path, args) -> dict:
 
 
 def bench_grpo(model_cfg: ModelConfig, params, prompt_len: int, new_tokens: int, warmup: int, runs: int,
-               prompts: int = PROMPTS, group: int = GROUP) -> dict:
+               prompts: int = PROMPTS, group: int = GROUP, shared: bool = False) -> dict:
   """Row 1's workload on these weights (the model config's dtypes are the run's: tools/accelerator_check.py runs it in
-  bfloat16): `warmup` + `runs` iterations of `prompts` x `group` rows, phase seconds and the last update's FLOPs."""
-  learner = grpo_learner(model_cfg, params, id_tokenizer(), prompt_len, new_tokens, prompts, group)
+  bfloat16): `warmup` + `runs` iterations of `prompts` x `group` rows, phase seconds and the last update's FLOPs.
+  `shared`: with shared group prompts (grouped prefill and the shared-prefix update); the same prompts and keys."""
+  return bench_grpo_variants(model_cfg, params, prompt_len, new_tokens, warmup, runs, prompts, group, (shared,))[0]
+
+
+def bench_grpo_variants(model_cfg: ModelConfig, params, prompt_len: int, new_tokens: int, warmup: int, runs: int,
+                        prompts: int = PROMPTS, group: int = GROUP, variants: Sequence[bool] = (False, True)
+                        ) -> list[dict]:
+  """`bench_grpo` for each `shared` setting in `variants`, their iterations interleaved (iteration i of each on the
+  same prompts and keys, one after the other), so that a machine shared with other work slows them alike."""
+  tok = id_tokenizer()
+  # A copy each: a learner's train step donates (deletes) the parameter arrays it was given.
+  learners = [grpo_learner(model_cfg, jax.tree.map(jnp.array, params), tok, prompt_len, new_tokens, prompts, group, v)
+              for v in variants]
   rows = prompts * group
   rng = np.random.default_rng(0)
   sp = sampling_params(rows, new_tokens, temperature=1.0)
-  steps, flops = [], 0.0
+  steps: list[list[dict]] = [[] for _ in variants]
+  flops, batch = 0.0, None
   for it in range(warmup + runs):
     ids = np.repeat(rng.integers(10, model_cfg.vocab_size, size=(prompts, prompt_len)), group, axis=0)
-    t0 = time.perf_counter()
-    keys = jax.random.split(jax.random.fold_in(learner.root, it), rows)
-    out = learner.engine.sampler(learner.sampling_params(), ids.astype(np.int32), np.ones_like(ids, bool), keys, sp)
-    tokens, logps, lengths = (np.asarray(x) for x in (out.tokens, out.logps, out.lengths))
-    t1 = time.perf_counter()
-    traj = single_turn(ids, tokens, logps, lengths, group)
-    batch, _ = learner.build_batch(traj)
-    t2 = time.perf_counter()
-    metrics = learner.update(batch, np.arange(rows), it)
-    t3 = time.perf_counter()
-    flops = update_flops(model_cfg, np.asarray(batch.valid).sum(-1)[:rows], int(np.asarray(batch.loss_mask).sum()))
-    steps.append(dict(rollout_s=t1 - t0, scoring_s=t2 - t1, update_s=t3 - t2, total_s=t3 - t0,
-                      loss=metrics["loss"], kl=metrics.get("kl"), mean_reward=float(traj.reward.mean())))
-    log(f"[dreamjax GRPO] iteration {it}: " + ", ".join(f"{k} {steps[-1][k]:.2f}" for k in PHASES))
-  return dict(name="dreamjax GRPO", steps=steps, median=median_phases(steps[warmup:]), first_s=steps[0]["total_s"],
-              update_flops=flops, update_rows=rows, update_tokens=int(np.asarray(batch.valid).sum()),
-              sampler_compilations=learner.engine.sampler.compilations(), step_compilations=learner.step.compilations())
+    for v, (shared, learner) in enumerate(zip(variants, learners)):
+      grouped = {"group": group} if shared else {}  # the engine's check (identical prompts per group) holds here
+      t0 = time.perf_counter()
+      keys = jax.random.split(jax.random.fold_in(learner.root, it), rows)
+      out = learner.engine.sampler(learner.sampling_params(), ids.astype(np.int32), np.ones_like(ids, bool), keys,
+                                   sp, **grouped)
+      tokens, logps, lengths = (np.asarray(x) for x in (out.tokens, out.logps, out.lengths))
+      t1 = time.perf_counter()
+      traj = single_turn(ids, tokens, logps, lengths, group)
+      batch, _ = learner.build_batch(traj)
+      t2 = time.perf_counter()
+      metrics = learner.update(batch, np.arange(rows), it)
+      t3 = time.perf_counter()
+      flops = update_flops(model_cfg, np.asarray(batch.valid).sum(-1)[:rows], int(np.asarray(batch.loss_mask).sum()))
+      steps[v].append(dict(rollout_s=t1 - t0, scoring_s=t2 - t1, update_s=t3 - t2, total_s=t3 - t0,
+                           loss=metrics["loss"], kl=metrics.get("kl"), mean_reward=float(traj.reward.mean())))
+      log(f"[{_name(shared)}] iteration {it}: " + ", ".join(f"{k} {steps[v][-1][k]:.2f}" for k in PHASES))
+  return [dict(name=_name(shared), steps=s, median=median_phases(s[warmup:]), first_s=s[0]["total_s"],
+               update_flops=flops, update_rows=rows, update_tokens=int(np.asarray(batch.valid).sum()),
+               sampler_compilations=learner.engine.sampler.compilations(),
+               step_compilations=learner.step.compilations())
+          for shared, s, learner in zip(variants, steps, learners)]
+
+
+def _name(shared: bool) -> str:
+  return "dreamjax GRPO (shared prefix)" if shared else "dreamjax GRPO"
+
+
+def prefix_report(games: int = 4, group: int = 8, max_turns: int = 15, rows_per_step: int = 64, seed: int = 0,
+                  expert: float = 0.5) -> dict:
+  """Prefix statistics of a realistic multi-turn batch (host only, no model): `games` TextWorld-Express coin tasks x
+  `group` episodes of up to `max_turns` turns in `dreamjax rl`'s default env, agent format and prompt buckets, each
+  turn's action the expert's with probability `expert`, else a random admissible one (a policy part way through
+  training: groups agree on some turns and diverge on others). Turn rows are built as the rollout engine builds them
+  (its `turn_prompt`, then `format_answer` as the answer, the loss on the answer), and `prefix_stats` is reported
+  for the whole iteration as one step, for the learner's shuffled steps of `rows_per_step` rows, and for turn 0."""
+  from dreamjax.envs.textworld_express import TextWorldExpressEnv, tasks as twx_tasks
+
+  rl = RLConfig()
+  env = TextWorldExpressEnv(step_limit=20)
+  pool = twx_tasks("coin", "train", games, params=rl.train_tasks.game_params, env=env)
+
+  class One:  # the BatchEnv face of one env, for tokenizer_texts
+    def reset_batch(self, ts):
+      return [env.reset(t) for t in ts]
+
+  with tempfile.TemporaryDirectory(prefix="bench_prefix_tok_") as folder:
+    tok = train_bpe_tokenizer(tokenizer_texts(rl.agent, One(), pool, games) * 2, folder, vocab_size=1024)
+  engine = RolloutEngine(tiny("qwen2", vocab_size=1024, max_position_embeddings=1024), tok, rl.agent, rl.rollout)
+  rng = np.random.default_rng(seed)
+  ids, masks, turns = [], [], []
+  for task in pool:
+    for _ in range(group):
+      obs, history = env.reset(task), []
+      for turn in range(max_turns):
+        gold = env.expert_action()
+        action = gold if gold is not None and rng.random() < expert else str(rng.choice(list(obs.admissible)))
+        prompt = engine.turn_prompt(obs.instruction or task.instruction, turn, history, obs.state, obs.admissible)
+        head = np.asarray(prompt.prompt(), np.int32)
+        answer = np.asarray(list(tok.encode(format_answer(action))) + [tok.chat_format.end_of_turn], np.int32)
+        ids.append(np.concatenate([head, answer]))
+        masks.append(np.r_[np.zeros(len(head)), np.ones(len(answer))].astype(np.int32))
+        turns.append(turn)
+        result = env.step(action)
+        history.append((obs.state, action))
+        obs = result.observation
+        if result.done:
+          break
+  env.close()
+  batch = sft_batch(ids, masks, pad_to=64)
+  turns = np.asarray(turns)
+
+  def stats(rows: np.ndarray) -> dict:
+    part = jax.tree.map(lambda x: np.asarray(x)[rows], batch)
+    return prefix_stats(shared_prefix_batch(part, pad_to=64))
+
+  order = np.random.default_rng((seed, 1)).permutation(len(ids))
+  steps = [stats(part) for part in np.array_split(order, -(-len(ids) // rows_per_step))]
+  total = lambda key: sum(s[key] for s in steps)  # noqa: E731
+  return dict(rows=len(ids), mean_row_tokens=float(np.mean([len(i) for i in ids])), whole=stats(np.arange(len(ids))),
+              steps=dict(count=len(steps), shared_frac=1 - total("computed_tokens") / total("row_tokens"),
+                         slot_ratio=float(np.mean([s["slot_ratio"] for s in steps]))),
+              turn0=stats(np.flatnonzero(turns == 0)))
+
+
+def prefix_table(report: dict) -> str:
+  lines = [f"Prefix statistics, {report['rows']} turn rows (mean {report['mean_row_tokens']:.0f} tokens) of "
+           "TextWorld-Express coin games (`prefix_report`):", "",
+           "| rows in one step | shared fraction of row tokens | padded slots / per-row slots |", "|---|---|---|"]
+  for label, s in (("the whole iteration", report["whole"]), (f"learner's shuffled steps ({report['steps']['count']})",
+                   report["steps"]), ("turn-0 rows only", report["turn0"])):
+    lines.append(f"| {label} | {s['shared_frac']:.1%} | {s['slot_ratio']:.2f} |")
+  return "\n".join(lines)
+
+
+def shared_table(off: dict, on: dict) -> str:
+  lines = ["| shared group prompts (median s) | " + " | ".join(PHASES) + " |", "|---|" + "---|" * len(PHASES)]
+  for label, r in (("off", off), ("on", on)):
+    lines.append(f"| {label} | " + " | ".join(fmt_s(r["median"][k]) for k in PHASES) + " |")
+  lines.append("| off / on | " + " | ".join(f"{off['median'][k] / on['median'][k]:.2f}x" for k in PHASES) + " |")
+  return "\n".join(lines)
 
 
 def median_phases(steps: list[dict]) -> dict[str, float]:
@@ -207,7 +312,7 @@ def tables(rows: list[dict], tunix: dict | None, tunix_missing: str | None, ceil
           "speed-up (tunix s / dreamjax s) |", "|---|---|---|---|---|---|---|"]
   for r in rows:
     m = r["median"]
-    if r["name"] == "dreamjax GRPO":
+    if r["name"].startswith("dreamjax GRPO"):
       peer = fmt_s(tunix and tunix["median"]["total_s"]) if tunix else tunix_missing
       ratio = f"{tunix['median']['total_s'] / m['total_s']:.2f}x" if tunix else "-"
     else:
@@ -250,6 +355,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   p.add_argument("--threads", type=int, default=2, help="CPUs for every contender; 0 leaves the affinity alone")
   p.add_argument("--no-tunix", action="store_true", help="skip the tunix peer (also: DREAMJAX_SKIP_PEERS=1)")
   p.add_argument("--no-dreamgym", action="store_true", help="skip the DreamGym row")
+  p.add_argument("--shared-prefix", action="store_true",
+                 help="also row 1 with shared group prompts on, the on/off ratios, and multi-turn prefix statistics")
   dreamgym_row.add_args(p)
   p.add_argument("--model-dir", type=Path, default=None, help="HF folder of the benchmark model (made if missing)")
   p.add_argument("--out", type=Path, default=ROOT / "runs/bench/grpo_iteration")
@@ -270,9 +377,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
   folder = ensure_model(args.model_dir, args.small)
   ceiling = matmul_ceiling()
   log(f"float32 matmul ceiling: {ceiling / 1e9:.1f} GFLOP/s")
-  rows = [bench_dreamjax_grpo(folder, args)]
+  shared = prefixes = None
+  if args.shared_prefix:  # both settings, iterations interleaved
+    model_cfg, params = load_hf_checkpoint(folder)
+    rows, shared = bench_grpo_variants(model_cfg, params, args.prompt_len, args.new_tokens, args.warmup, args.runs)
+    rows = [rows]
+    prefixes = prefix_report()
+  else:
+    rows = [bench_dreamjax_grpo(folder, args)]
   rows[0]["label"] = (f"dreamjax GRPO: {PROMPTS} prompts x {GROUP} samples x {args.new_tokens} new tokens "
                       f"({args.prompt_len}-token prompts), one update")
+  if shared is not None:
+    shared["label"] = rows[0]["label"] + ", shared group prompts"
   tunix_missing = peers.status(skip=args.no_tunix)
   tunix = None
   if tunix_missing is None:
@@ -282,17 +398,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
                             threads=args.threads)["grpo"]
   if not args.no_dreamgym:
     rows.append(dreamgym_row.bench(folder, args, PROMPTS, GROUP, OBJECTIVE, OPTIM, update_flops, log))
+  if shared is not None:
+    rows.insert(1, shared)
   for r in rows:
     r.setdefault("update_gflop_s", r["update_flops"] / r["median"]["update_s"] / 1e9)
     r["mfu_pct"] = 100.0 * r["update_gflop_s"] * 1e9 / ceiling
   md = tables(rows, tunix, tunix_missing, ceiling)
+  if shared is not None:
+    md += "\n\n" + shared_table(rows[0], shared) + "\n\n" + prefix_table(prefixes)
   print(md, flush=True)
   result = dict(setup=dict(model_dir=str(folder), small=args.small, prompt_len=args.prompt_len,
                            new_tokens=args.new_tokens, runs=args.runs, threads=args.threads,
                            cpus_available=len(os.sched_getaffinity(0)), jax=jax.__version__,
                            optim=dataclasses.asdict(OPTIM), objective=dataclasses.asdict(OBJECTIVE),
                            tunix=tunix_missing or "run after dreamjax's row, same workload"),
-                matmul_ceiling_flop_s=ceiling, rows=rows, tunix=tunix, table_md=md)
+                matmul_ceiling_flop_s=ceiling, rows=rows, tunix=tunix, prefix_report=prefixes, table_md=md)
   (args.out / "table.md").write_text(md + "\n")
   (args.out / "results.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
   log(f"wrote {args.out / 'results.json'}")
