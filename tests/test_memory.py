@@ -434,3 +434,10 @@ def test_tool_plans_the_supervised_commands(capsys):
   assert "(DpoConfig)" in out and "peak reference" in out and "(8 rows/device x 2112, per micro-batch)" in out
   tiny_plan, _ = tool.build_plan(["--config", str(ROOT / "configs/train_policy_twx.py:tiny")])
   assert tiny_plan.models[0][1].hidden_size == 128 and tiny_plan.sizes == ONE
+
+
+def test_settings_the_plan_does_not_count_are_named():
+  rl = load_config(ROOT / "configs/grpo_real_twx.py", ["shared_prefix=true"])
+  plan = memory.plan_rl(rl, memory.published_config("llama-3.2-1b"), ONE)
+  assert any(note.startswith("shared_prefix:") for note in plan.notes)
+  assert "warning: shared_prefix:" in plan.table(None)

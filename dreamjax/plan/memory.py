@@ -508,7 +508,8 @@ def plan_rl(rl: Any, policy: ModelConfig, sizes: Mapping[str, int], title: str =
   _check_rows(rl, sizes)
   resident, transient = _learner_lines(rl, policy, sizes, ("rollout",))
   return MemoryPlan(title, dict(sizes), (("policy", policy),), tuple(resident + transient),
-                    ("rollout", "score", "update", "export"), _dropped("policy", policy, sizes, POLICY_LAYOUTS))
+                    ("rollout", "score", "update", "export"),
+                    _dropped("policy", policy, sizes, POLICY_LAYOUTS) + _unplanned(rl))
 
 
 def plan_dreamgym(cfg: Any, policy: ModelConfig, exp: ModelConfig, sizes: Mapping[str, int],
@@ -546,7 +547,8 @@ def plan_dreamgym(cfg: Any, policy: ModelConfig, exp: ModelConfig, sizes: Mappin
              ("task_gen",)),
     ]
     phases += ("task_gen",)
-  notes = _dropped("policy", policy, sizes, POLICY_LAYOUTS) + _dropped("M_exp", exp, sizes, {"sampling": SAMPLE_RULES})
+  notes = (_dropped("policy", policy, sizes, POLICY_LAYOUTS) + _dropped("M_exp", exp, sizes, {"sampling": SAMPLE_RULES})
+           + _unplanned(cfg.rl))
   return MemoryPlan(title, dict(sizes), (("policy", policy), ("M_exp", exp)), tuple(resident + transient),
                     phases + ("export",), notes)
 
@@ -577,6 +579,14 @@ def sampling_copy_bytes(model: ModelConfig, sizes: Mapping[str, int]) -> int:
   needed = (model.dtype != model.param_dtype or model.scan_layers
             or not same_layout(model, sizes, TRAIN_RULES, SAMPLE_RULES))
   return compute_copy_bytes(model, sizes, SAMPLE_RULES) if needed else 0
+
+
+def _unplanned(rl: Any) -> tuple[str, ...]:
+  """Warnings for RL settings whose memory the plan does not count."""
+  if getattr(rl, "shared_prefix", False):
+    return ("shared_prefix: the update's per-row copies of the shared prefix's KV cache (rows x layers x prefix) are "
+            "not counted in the update phase",)
+  return ()
 
 
 def _supervised_plan(title: str, role: str, model: ModelConfig, sizes: Mapping[str, int], cfg: Any, micro_rows: int,
