@@ -101,6 +101,17 @@ def test_settings_are_checked_at_start_naming_the_field(gcs, monkeypatch):
     start_run(PolicySftConfig(export_dir="gs://b/m"))
 
 
+def test_reproduce_refuses_a_stage_folder_setting_its_stages_would_share():
+  from dreamjax.config import load_config
+
+  cfg = load_config(str(Path(__file__).resolve().parents[1] / "configs/reproduce_twx.py:tiny"), [])
+  with pytest.raises(ValueError, match=r"ReproduceConfig: sft.checkpoint_dir must be empty"):
+    dataclasses.replace(cfg, sft=dataclasses.replace(cfg.sft, checkpoint_dir=f"{BUCKET_URL}/c"))
+  with pytest.raises(ValueError, match=r"ReproduceConfig: dreamgym.rl.export_dir must be empty"):
+    dataclasses.replace(cfg, dreamgym=dataclasses.replace(cfg.dreamgym, rl=dataclasses.replace(cfg.dreamgym.rl,
+                                                                                               export_dir="m")))
+
+
 # --- checkpoints in a bucket ----------------------------------------------------------------------------------------
 
 
