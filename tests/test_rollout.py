@@ -376,6 +376,30 @@ def test_speculative_rollouts_equal_plain_ones_under_greedy_decoding(twx, tok, p
     RolloutEngine(policy_cfg, tok, FMT, GREEDY, sampler=engine.sampler)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_kv_reuse_and_grouped_prefill_rollouts_equal_full_prefill_ones(twx, tok, policy_cfg, tuned_params, far_tasks,
+                                                                        temperature):
+  """KV reuse across turns (with grouped prefill, as the defaults of dreamjax rl run them) gives the full-prefill
+  engine's trajectories: token for token, log-probs to float rounding; the prompts after turn 0 reuse the system
+  message and task line the row's cache holds."""
+  near = tasks("coin", "test", 2, params=ONE_ROOM, env=twx.envs[0])
+  base = dataclasses.replace(GREEDY, group_size=2, temperature=temperature)
+  runs = {}
+  for on in (False, True):
+    engine = RolloutEngine(policy_cfg, tok, FMT, dataclasses.replace(base, kv_reuse=on, group_prefill=on))
+    runs[on] = engine.run(tuned_params, twx, near[:1] + far_tasks[:1], jax.random.key(3))
+  plain, traj = runs[False], runs[True]
+  for name in ("tokens", "lengths", "loss_mask", "reward", "done", "invalid"):
+    np.testing.assert_array_equal(getattr(traj, name), getattr(plain, name), err_msg=name)
+  np.testing.assert_allclose(traj.rollout_logp, plain.rollout_logp, rtol=1e-5, atol=1e-5)
+  s, p = traj.stats, plain.stats
+  assert s["prompt_tokens"] == p["prompt_tokens"] == p["prefilled_tokens"] == int(plain.prompt_lengths.sum())
+  turn0 = int(plain.prompt_lengths[plain.turn == 0].sum())
+  # Turn 0 is prefilled whole (the cache starts empty); later turns only past the shared system message and task.
+  assert turn0 < s["prefilled_tokens"] < s["prompt_tokens"] - 0.2 * (s["prompt_tokens"] - turn0)
+  assert s["grouped_turns"] >= 1 and p["grouped_turns"] == 0
+
+
 def test_an_env_step_budget_is_exact_and_cuts_rows_in_order(twx, tok, policy_cfg, tuned_params, far_tasks):
   """Uncapped, the two near games take 2 steps each and the far one more. With 4 steps: turn 0 steps all three rows
   (1 left), turn 1 steps row 0 (it takes the coin) and cuts rows 1 and 2 before their action reaches the env."""

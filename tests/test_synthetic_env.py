@@ -441,6 +441,41 @@ def test_speculative_m_exp_writes_the_same_greedy_answers(trained_env, cfg, trai
   assert trained_env.stats["tokens_per_forward"] == 1.0
 
 
+def test_kv_reuse_gives_the_same_answers_and_prefills_less(trained_env, random_env, cfg, trained, random_params, tok,
+                                                           retriever, records):
+  """KV reuse across steps: the trained M_exp's greedy answers (speculative, as DreamGym runs it) are the plain
+  env's; the random M_exp's sampled malformed answers and their retries too, each retry prefilling only the last
+  token of the prompt its cache holds."""
+  fast = _env(cfg, trained, tok, retriever, records, exclude_episodes=_own(records),
+              speculative=SpeculativeConfig(draft_tokens=6), kv_reuse=True)
+  for env in (trained_env, fast):
+    env.reset_stats()
+    env.reset_batch([r.task for r in records])
+  for j in range(2):
+    actions = [r.steps[j].action for r in records]
+    assert fast.step_batch(actions) == trained_env.step_batch(actions)
+  s = fast.stats
+  assert s["prompt_tokens"] == trained_env.stats["prompt_tokens"] == trained_env.stats["prefilled_tokens"]
+  # the second step reuses each row's system message and task (the retrieved example after them changes)
+  first = sum(len(p) for p in fast.last_prompts)
+  assert s["prefilled_tokens"] < s["prompt_tokens"] - 0.1 * (s["prompt_tokens"] - first)
+
+  rows = [records[0], records[1], records[0]]
+  actions = [r.steps[0].action for r in rows]
+  reuse_env = _env(cfg, random_params, tok, retriever, records, max_new_tokens=12, temperature=1.0,
+                   key=jax.random.key(3), kv_reuse=True)
+  reuse_env.sampler._fn = random_env.sampler._fn  # the plain path's compilation is shared; the reuse path's is new
+  outs = []
+  for env in (random_env, reuse_env):
+    env.reset_stats()
+    env.reset_batch([r.task for r in rows], exclude_episodes=[r.episode_id for r in rows], key=jax.random.key(11))
+    outs.append(env.step_batch(actions))
+  assert [r.info["output"] for r in outs[1]] == [r.info["output"] for r in outs[0]]
+  s = reuse_env.stats
+  assert s["exp_retries"] == 6 and s["prompt_tokens"] == random_env.stats["prompt_tokens"]
+  assert s["prefilled_tokens"] == sum(len(p) for p in reuse_env.last_prompts) + 6  # retries: one token each
+
+
 def test_rollout_engine_drives_the_synthetic_env(trained_env, cfg, trained, tok, records):
   engine = RolloutEngine(cfg, tok, AFMT, RolloutConfig(max_turns=3, max_action_tokens=12, max_episode_tokens=64,
                                                        prompt_buckets=(256,), temperature=0.0))

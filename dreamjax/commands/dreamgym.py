@@ -88,6 +88,9 @@ class DreamGymConfig:
   # a next state mostly copies the prompt (experiments/bench/synthetic_env.py, trained tiny M_exp on 2 CPU cores:
   # K=4 1.39x the transitions/s of plain decoding, 3.0 tokens per forward, the same greedy answers).
   exp_speculative: SpeculativeConfig = SpeculativeConfig(draft_tokens=4)
+  # M_exp keeps each row's KV cache between steps and prefills only what it lacks (SyntheticEnv's kv_reuse; the
+  # policy's is rl.rollout.kv_reuse).
+  exp_kv_reuse: bool = False
   # M_exp's (and M_task's) weights and compute: frozen, so unlike the trained policy it may hold bfloat16 weights.
   exp_dtype: str = "float32"
   placement: PlacementConfig = PlacementConfig()
@@ -137,7 +140,7 @@ def _run(cfg: DreamGymConfig) -> dict[str, Any]:
                              temperature=cfg.exp_temperature, prompt_buckets=buckets,
                              key=phase_key(root, 0, PHASE_SYNTHETIC), mesh=exp_mesh, tutorials=tutorials,
                              max_steps=rl.rollout.max_turns, exp_retries=cfg.exp_retries,
-                             speculative=cfg.exp_speculative)
+                             speculative=cfg.exp_speculative, kv_reuse=cfg.exp_kv_reuse)
     task_sampler = Sampler(exp_cfg, cfg.curriculum.max_new_tokens, pad_id=exp_tok.pad_id, mesh=exp_mesh) \
         if cfg.curriculum.enabled and cfg.curriculum.generate_every else None
     curriculum = CurriculumTasks(cfg.curriculum, seeds, records, tasks_per_iteration=rl.tasks_per_iteration,

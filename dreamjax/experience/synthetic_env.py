@@ -65,6 +65,12 @@ that key folded with a (a = 1, 2, ...).
 actions block the current list, both in the prompt, so most drafts are accepted; greedy answers are unchanged and
 sampled ones keep their distribution (dreamjax/sampling/sampler.py). `stats` reports its acceptance rates.
 
+`kv_reuse` keeps each row's KV cache on device through an episode batch (`dreamjax.sampling.KVReuse`): a step
+prefills only the part of a row's prompt after its longest common prefix with the row's last prompt and answer, with
+the same answers (to float32 rounding). A retry of a malformed answer reuses its whole prompt; a next step reuses the
+system message, the task and the tutorial, since the retrieved examples that follow them change every step
+(dreamjax/experience/format.py). `stats` counts prompt_tokens and prefilled_tokens.
+
 `info` of a stepped row: reasoning, output (the decoded text of the last attempt), generated_tokens (over all
 attempts), stopped (the last attempt ended by the stop token rather than the budget), exp_attempts (answers sampled:
 1 plus the retries; 0 on an overflow), retrieved ("episode_id:step" of the transitions shown), prompt_tokens, step
@@ -97,6 +103,7 @@ from dreamjax.models.config import ModelConfig
 from dreamjax.parallel.distributed import to_host
 from dreamjax.sampling import (
     SPECULATION_KEYS,
+    KVReuse,
     Sampler,
     SpeculativeConfig,
     count_speculation,
@@ -143,7 +150,8 @@ _ROW_KEYS = jax.jit(_row_keys, static_argnums=2)
 # A retry's keys: each row's key folded with the attempt number (a traced scalar: one compilation for all attempts).
 _RETRY_KEYS = jax.jit(jax.vmap(jax.random.fold_in, in_axes=(0, None)))
 _STAT_KEYS = ("calls", "steps", "parse_failures", "overflows", "exp_retries", "exp_failures", "truncations",
-              "generated_tokens", "retrieval_s", "prompt_s", "sample_s", "parse_s", *SPECULATION_KEYS)
+              "generated_tokens", "retrieval_s", "prompt_s", "sample_s", "parse_s", "prompt_tokens",
+              "prefilled_tokens", *SPECULATION_KEYS)
 ERROR_PREFIX = "experience model: "  # how info[ENV_ERROR] of an M_exp failure starts
 
 
@@ -161,7 +169,7 @@ class SyntheticEnv:
                top_p: float = 1.0, top_k: int = 0, prompt_buckets: Sequence[int] = (1024, 2048, 4096),
                key: jax.Array, mesh: jax.sharding.Mesh | None = None, tutorials: Mapping[str, str] | None = None,
                max_steps: int = 50, exp_retries: int = 2, exclude_episodes: Mapping[str, str] | None = None,
-               speculative: SpeculativeConfig | None = None):
+               speculative: SpeculativeConfig | None = None, kv_reuse: bool = False):
     if tokenizer.chat_format is None:
       raise ValueError("SyntheticEnv: the tokenizer has no chat template, so prompts cannot be built")
     if model_cfg.vocab_size < tokenizer.vocab_size:
@@ -189,6 +197,8 @@ class SyntheticEnv:
     self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
     self.prompt_buckets, self.key, self.max_steps, self.exp_retries = buckets, key, max_steps, exp_retries
     self.sampler = Sampler(model_cfg, max_new_tokens, pad_id=tokenizer.pad_id, mesh=mesh, speculative=speculative)
+    self.kv_reuse = kv_reuse
+    self._reuse: KVReuse | None = None
     self.stop_ids = tuple(dict.fromkeys((tokenizer.chat_format.end_of_turn, *tokenizer.eos_ids)))
     self._system = SegmentBuilder(tokenizer).append(Kind.SYSTEM, system_prompt(fmt))
     self._generation = len(tokenizer.chat_format.generation_prompt)
@@ -248,6 +258,8 @@ class SyntheticEnv:
     self.batches += 1
     self._call = 0
     self._rows = rows
+    # One per episode batch, like the keys: a batch's draws never depend on what an earlier batch left in the cache.
+    self._reuse = KVReuse() if self.kv_reuse else None
     self.last_prompts = [None] * len(rows)
     if self._sp is None or self._sp.temperature.shape[0] != len(rows):
       self._sp = sampling_params(len(rows), self.max_new_tokens, self.temperature, self.top_p, self.top_k,
@@ -332,8 +344,13 @@ class SyntheticEnv:
         budget[list(pending)] = self.max_new_tokens
         sp = self._sp.replace(max_new_tokens=jnp.asarray(budget))
         # to_host: with several processes the rows are sharded over all of them, and every process needs every row
+        before = self._reuse.prefilled if self._reuse is not None else 0
+        reuse = {"reuse": self._reuse} if self._reuse is not None else {}
         out = to_host(self.sampler(self.params, tokens, mask, keys if attempt == 0 else _RETRY_KEYS(keys, attempt),
-                                   sp))
+                                   sp, **reuse))
+        prompt_tokens = sum(len(p) for p in pending.values())
+        stats["prompt_tokens"] += prompt_tokens
+        stats["prefilled_tokens"] += self._reuse.prefilled - before if self._reuse is not None else prompt_tokens
         t1 = time.perf_counter()
         stats["sample_s"] += t1 - t0
         count_speculation(stats, out, list(pending))

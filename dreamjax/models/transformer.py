@@ -225,6 +225,7 @@ class Transformer(nn.Module):
       last_only: bool = False,
       return_hidden: bool = False,
       values_only: bool = False,
+      logits_at: Int[Array, " B"] | None = None,
   ) -> ModelOutput:
     """`key_valid` marks valid key slots: [B, T] without a cache, [B, cache.slots] with one (new tokens included).
     `cache_index`: the first cache slot the T new tokens take, shared [] or per row [B]; the caller keeps every row's
@@ -233,7 +234,9 @@ class Transformer(nn.Module):
     `return_hidden` also returns the final-norm hidden states (what the LM head reads), e.g. for pooled text
     embeddings; under jit, a caller that uses only them lets XLA drop the vocabulary projection.
     `values_only` skips the LM head (logits None) and never reads an `lm_head` parameter: a critic
-    (`dreamjax.rl.critic`) is this model without one, which spares its weights and their optimizer moments."""
+    (`dreamjax.rl.critic`) is this model without one, which spares its weights and their optimizer moments.
+    `logits_at` [B]: like `last_only`, but each row's output is its column `logits_at[b]` (T becomes 1): a per-row
+    prefill whose rows end at different columns (the sampler's `KVReuse` path)."""
     cfg = self.config
     if values_only and not cfg.value_head:
       raise ValueError("Transformer(values_only=True) needs a model with a value head (ModelConfig.value_head=True)")
@@ -267,6 +270,8 @@ class Transformer(nn.Module):
 
     if last_only:
       x = x[:, -1:]
+    elif logits_at is not None:
+      x = jnp.take_along_axis(x, jnp.asarray(logits_at)[:, None, None], 1)
     x = RMSNorm(cfg, name="final_norm")(x)
     logits = None
     if not values_only:

@@ -41,6 +41,13 @@ the engine checks this on the host every turn and asks the sampler for its group
 `group`), which yields the same tokens and log-probs (to float32 rounding) as the plain call. It compiles the
 sampler once more per prompt bucket, hence off by default; `stats["grouped_turns"]` counts the turns that used it.
 
+`RolloutConfig.kv_reuse` keeps each row's KV cache on device for the whole run (`dreamjax.sampling.KVReuse`): each
+turn prefills only the part of a row's prompt after its longest common prefix with the last prompt and answer, with
+the same tokens and log-probs to float32 rounding. What that saves depends on the prompt layout: the agent prompt
+(dreamjax/rollout/agent.py) is rebuilt every turn with the step count and a sliding history near its start, so only
+the system message and the task line carry over; `stats["prefilled_tokens"]` against `stats["prompt_tokens"]` says
+how much was prefilled.
+
 The engine sees the env only through the BatchEnv protocol, so real envs, env pools and the experience model's
 SyntheticEnv are driven the same way.
 """
@@ -62,7 +69,7 @@ from dreamjax.models.config import ModelConfig
 from dreamjax.parallel.distributed import to_host
 from dreamjax.rollout.agent import INVALID_ANSWER, AgentFormat, build_turn_prompt, fit_turn_prompt, parse_answer
 from dreamjax.rollout.trajectory import Trajectories
-from dreamjax.sampling import Sampler, SpeculativeConfig, count_speculation, left_pad, sampling_params
+from dreamjax.sampling import KVReuse, Sampler, SpeculativeConfig, count_speculation, left_pad, sampling_params
 from dreamjax.text import Kind, SegmentBuilder, Tokenizer
 
 
@@ -78,6 +85,7 @@ class RolloutConfig:
   top_k: int = 0
   speculative: SpeculativeConfig = SpeculativeConfig()  # copy-speculative decoding (draft_tokens 0: off)
   group_prefill: bool = False  # prefill a group's prompt once when its G rows' prompts are equal (module docstring)
+  kv_reuse: bool = False  # keep each row's KV cache between turns and prefill only what it lacks (module docstring)
 
   def __post_init__(self):
     for name in ("group_size", "max_turns", "max_action_tokens", "max_episode_tokens"):
@@ -175,7 +183,8 @@ class RolloutEngine:
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
       key = jax.random.wrap_key_data(key)
     stats = dict(sample_s=0.0, env_s=0.0, turns=0, sampled_tokens=0, parse_failures=0, env_invalid=0, env_errors=0,
-                 budget_cut=0, grouped_turns=0, buckets=set())
+                 budget_cut=0, grouped_turns=0, prompt_tokens=0, prefilled_tokens=0, buckets=set())
+    reuse = KVReuse() if cfg.kv_reuse else None  # one per run: a run's draws never depend on an earlier run
     steps_left = max_env_steps if max_env_steps > 0 else None
     start = time.perf_counter()
     n = len(tasks) * cfg.group_size
@@ -213,10 +222,14 @@ class RolloutEngine:
       t0 = time.perf_counter()
       keys = _ROW_KEYS(key, turn, n)
       # to_host: with several processes the rows are sharded over all of them, and every process needs every row
-      # (`group` only when grouped: stand-in samplers of tests and tools take the plain call's arguments)
-      grouped = {"group": group} if group > 1 else {}
+      # (`group` and `reuse` only when used: stand-in samplers of tests and tools take the plain call's arguments)
+      extra = ({"group": group} if group > 1 else {}) | ({"reuse": reuse} if reuse is not None else {})
+      before = reuse.prefilled if reuse is not None else 0
       out = to_host(self.sampler(params, tokens, mask, keys, sp.replace(max_new_tokens=jnp.asarray(budget)),
-                                 **grouped))
+                                 **extra))
+      prompt_tokens = sum(len(p) for p in prompts.values())
+      stats["prompt_tokens"] += prompt_tokens
+      stats["prefilled_tokens"] += reuse.prefilled - before if reuse is not None else prompt_tokens
       stats["sample_s"] += time.perf_counter() - t0
       stats["turns"] += 1
       count_speculation(stats, out, live)

@@ -2,6 +2,7 @@
 
 from dreamjax.sampling.logits import choose_tokens, truncation_mask, verify_draft
 from dreamjax.sampling.sampler import (
+    KVReuse,
     SPECULATION_KEYS,
     SampleOutput,
     Sampler,
@@ -14,6 +15,6 @@ from dreamjax.sampling.sampler import (
     speculation_rates,
 )
 
-__all__ = ["SPECULATION_KEYS", "choose_tokens", "truncation_mask", "verify_draft", "SampleOutput", "Sampler",
+__all__ = ["SPECULATION_KEYS", "KVReuse", "choose_tokens", "truncation_mask", "verify_draft", "SampleOutput", "Sampler",
            "SamplingParams", "SpeculativeConfig", "count_speculation", "left_pad", "prompt_lookup", "sampling_params",
            "speculation_rates"]

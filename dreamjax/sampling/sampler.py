@@ -36,7 +36,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from dreamjax.models.config import ModelConfig
 from dreamjax.models.transformer import KVCache, Transformer
-from dreamjax.parallel.distributed import to_devices
+from dreamjax.parallel.distributed import to_devices, to_host
 from dreamjax.parallel.sharding import SAMPLE_RULES, Rules, logical_to_spec, named_sharding, tree_shardings
 from dreamjax.sampling.logits import choose_tokens, verify_draft
 
@@ -164,20 +164,24 @@ def _left_align(tokens, mask):
   return jnp.where(aligned_mask, jnp.take_along_axis(tokens, src, 1), 0), aligned_mask, lengths
 
 
-def _prefill(model: Transformer, params, tokens, positions, key_valid, slots: int, group: int
+def _prefill(model: Transformer, params, tokens, positions, key_valid, cache: KVCache, group: int,
+             cache_index: Int[Array, " B"] | int = 0, logits_at: Int[Array, " B"] | None = None
              ) -> tuple[Float[Array, "B V"], KVCache]:
-  """The aligned prompts' forward into a fresh cache of `slots` slots: (next-token logits, cache). With `group` G > 1
-  rows come in G identical copies (see the module docstring): one row of each group is run and the results repeated,
-  so the prompt's layer work is done N / G times instead of N."""
+  """The prompts' forward into `cache` at `cache_index`: (next-token logits at the last column, or per row at
+  `logits_at`; the cache). With `group` G > 1 rows come in G identical copies (see the module docstring) and `cache`
+  has one row per group: one row of each group is run and the results repeated, so the prompt's layer work is done
+  N / G times instead of N."""
   if group > 1:
     tokens, positions, key_valid = (x[::group] for x in (tokens, positions, key_valid))
-  cache = KVCache.zeros(model.config, tokens.shape[0], slots).constrain()
-  out = model.apply({"params": params}, tokens, positions, key_valid, cache=cache, cache_index=0, last_only=True)
+    if logits_at is not None:  # the per-row path: cache_index and logits_at are per row too
+      cache_index, logits_at = cache_index[::group], logits_at[::group]
+  out = model.apply({"params": params}, tokens, positions, key_valid, cache=cache, cache_index=cache_index,
+                    last_only=logits_at is None, logits_at=logits_at)
   logits, cache = out.logits[:, 0], out.cache
   if group > 1:
     logits = jnp.repeat(logits, group, axis=0)
-    cache = jax.tree.map(lambda x: jnp.repeat(x, group, axis=0), cache).constrain()
-  return logits, cache
+    cache = jax.tree.map(lambda x: jnp.repeat(x, group, axis=0), cache)
+  return logits, cache.constrain()
 
 
 def _sample(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, group: int = 1, *, cfg: ModelConfig,
@@ -187,7 +191,8 @@ def _sample(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, group:
   tokens, mask, lengths = _left_align(prompt_tokens, prompt_mask)
   positions = jnp.maximum(jnp.cumsum(mask, -1) - 1, 0)
   key_valid = jnp.concatenate([mask, jnp.zeros((batch, max_new_tokens), bool)], -1)
-  first_logits, cache = _prefill(model, params, tokens, positions, key_valid, prompt_len + max_new_tokens, group)
+  cache = KVCache.zeros(cfg, batch // group, prompt_len + max_new_tokens).constrain()
+  first_logits, cache = _prefill(model, params, tokens, positions, key_valid, cache, group)
   state = _State(
       step=jnp.zeros((), jnp.int32),
       tokens=jnp.full((batch, max_new_tokens), pad_id, jnp.int32),
@@ -285,9 +290,9 @@ def speculation_rates(stats: dict) -> dict[str, float]:
 
 
 @flax.struct.dataclass
-class _SpecState:
+class _RowState:
   iters: Int[Array, ""]
-  seq: Int[Array, "B L"]  # aligned prompt, then the generated tokens (pad_id after each row's end): cache slot order
+  seq: Int[Array, "B S"]  # the prompt where `prompt_valid`, then the generated tokens: cache slot order
   logps: Float[Array, "B N"]
   lengths: Int[Array, " B"]
   done: Bool[Array, " B"]
@@ -298,35 +303,31 @@ class _SpecState:
   cache: KVCache
 
 
-def _sample_speculative(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, group: int = 1, *,
-                        cfg: ModelConfig, max_new_tokens: int, pad_id: int, spec: SpeculativeConfig) -> SampleOutput:
-  """`_sample` with copy-speculative decoding: each loop step drafts K tokens per row by prompt lookup, runs one
-  forward over [last token, K drafts] and emits each row's accepted prefix plus one token (1 to K + 1 tokens)."""
-  model = Transformer(cfg)
-  k, n_max = spec.draft_tokens, max_new_tokens
-  batch, prompt_len = prompt_tokens.shape
-  tokens, mask, plen = _left_align(prompt_tokens, prompt_mask)
-  positions = jnp.maximum(jnp.cumsum(mask, -1) - 1, 0)
-  # K spare slots: a finished row still writes K + 1 slots from its last token, and XLA would clamp a write that ran
-  # past the end of the cache back onto earlier slots. Generated slots are all valid: the causal mask hides a row's
-  # slots past its query, which are the only ones holding rejected drafts.
-  key_valid = jnp.concatenate([mask, jnp.ones((batch, n_max + k), bool)], -1)
-  first_logits, first_cache = _prefill(model, params, tokens, positions, key_valid, prompt_len + n_max + k, group)
+def _decode_rows(model: Transformer, params, cache: KVCache, key_valid, seq, prompt_valid, start, pos0, first_logits,
+                 keys, sp: SamplingParams, *, n_max: int, pad_id: int, spec: SpeculativeConfig
+                 ) -> tuple[SampleOutput, KVCache]:
+  """Decoding where every row writes the cache at its own slot: row b's j-th generated token takes slot
+  `start[b] + j` of `seq` [B, S] and of the cache, with RoPE position `pos0[b] + j`. With K = `spec.draft_tokens` > 0
+  each step drafts K tokens per row by prompt lookup, runs one forward over [last token, K drafts] and emits each
+  row's accepted prefix plus one token (1 to K + 1 tokens); with K = 0 each step emits one token drawn with plain
+  decoding's uniform, so the output is `_sample`'s. Returns the output and the cache (the `KVReuse` path keeps it)."""
+  k = spec.draft_tokens
+  batch, width = seq.shape
+  col = jnp.arange(width)
+  out_col = jnp.arange(n_max)
   budget = jnp.minimum(sp.max_new_tokens, n_max)
-  col = jnp.arange(prompt_len + n_max)
-  prompt_valid = jnp.concatenate([mask, jnp.zeros((batch, n_max), bool)], -1)
 
-  def record(s: _SpecState, token, logp, live) -> _SpecState:
+  def record(s: _RowState, token, logp, live) -> _RowState:
     """Appends token to each `live` row, with plain decoding's stop-sequence and budget checks: a row that ends here
     takes no further tokens, even ones accepted in the same verify step."""
     tail = jnp.where(live[:, None], jnp.concatenate([s.tail[:, 1:], token[:, None]], -1), s.tail)
     hit = jnp.all((sp.stop == tail[:, None, :]) | (sp.stop < 0), -1) & jnp.any(sp.stop >= 0, -1)
     lengths = s.lengths + live
     stopped = s.stopped | (live & jnp.any(hit, -1))
-    at = live[:, None] & (col[None, prompt_len:] == prompt_len + s.lengths[:, None])
+    at = live[:, None] & (col[None] == (start + s.lengths)[:, None])
+    out_at = live[:, None] & (out_col[None] == s.lengths[:, None])
     return s.replace(
-        seq=s.seq.at[:, prompt_len:].set(jnp.where(at, token[:, None], s.seq[:, prompt_len:])),
-        logps=jnp.where(at, logp[:, None], s.logps),
+        seq=jnp.where(at, token[:, None], s.seq), logps=jnp.where(out_at, logp[:, None], s.logps),
         lengths=lengths, stopped=stopped, done=s.done | stopped | (lengths >= budget), tail=tail,
     )
 
@@ -334,9 +335,9 @@ def _sample_speculative(params, prompt_tokens, prompt_mask, keys, sp: SamplingPa
   u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 0)))(keys)
   token, logp = choose_tokens(first_logits, u, sp.temperature, sp.top_p, sp.top_k)
   live = budget > 0
-  state = _SpecState(
+  state = _RowState(
       iters=jnp.zeros((), jnp.int32),
-      seq=jnp.concatenate([jnp.where(mask, tokens, pad_id), jnp.full((batch, n_max), pad_id, jnp.int32)], -1),
+      seq=seq,
       logps=jnp.zeros((batch, n_max), jnp.float32),
       lengths=jnp.zeros((batch,), jnp.int32),
       done=~live,
@@ -344,39 +345,46 @@ def _sample_speculative(params, prompt_tokens, prompt_mask, keys, sp: SamplingPa
       tail=jnp.full((batch, sp.stop.shape[-1]), -2, jnp.int32),
       forwards=live.astype(jnp.int32),
       draft_accepted=jnp.zeros((batch,), jnp.int32),
-      cache=first_cache,
+      cache=cache,
   )
   state = record(state, token, logp, live)
 
-  def step(s: _SpecState) -> _SpecState:
+  def step(s: _RowState) -> _RowState:
     live = ~s.done
-    end = prompt_len + s.lengths - 1  # slot of each row's last token, the one whose keys/values are not cached yet
-    valid = prompt_valid | ((col[None] >= prompt_len) & (col[None] <= end[:, None]))
-    draft, found = prompt_lookup(s.seq, valid, end, k, spec.max_ngram, spec.min_ngram)
-    found &= live
+    end = start + s.lengths - 1  # slot of each row's last token, the one whose keys/values are not cached yet
     last = jnp.take_along_axis(s.seq, end[:, None], 1)
-    pos = (plen + s.lengths - 1)[:, None] + jnp.arange(k + 1)
-    # Per row from its own key and length (which grows every step): a row's draws never depend on its neighbours.
-    u = jax.vmap(lambda key, n: jax.random.uniform(jax.random.fold_in(key, n), (2, k + 1)))(keys, s.lengths)
+    pos = (pos0 + s.lengths - 1)[:, None] + jnp.arange(k + 1)
 
-    def verify():
-      o = model.apply({"params": params}, jnp.concatenate([last, draft], 1), pos, key_valid, cache=s.cache,
-                      cache_index=end)
-      # Position K checks no draft: after K accepted drafts it yields the bonus token.
-      has = found[:, None] & (jnp.arange(k + 1) < k)[None]
-      padded = jnp.concatenate([draft, jnp.zeros((batch, 1), jnp.int32)], 1)
-      toks, lps, acc = verify_draft(o.logits, padded, has, u[:, 0], u[:, 1], sp.temperature, sp.top_p, sp.top_k)
-      return toks, lps, jnp.sum(jnp.cumprod(acc, -1), -1), o.cache
-
-    def single():
-      # No row has a draft: one token per row, at the cost of plain decoding (same uniform as verify's position 0).
+    def single(u_token):
+      # One token per row, at the cost of plain decoding.
       o = model.apply({"params": params}, last, pos[:, :1], key_valid, cache=s.cache, cache_index=end)
-      tok, lp = choose_tokens(o.logits[:, 0], u[:, 1, 0], sp.temperature, sp.top_p, sp.top_k)
+      tok, lp = choose_tokens(o.logits[:, 0], u_token, sp.temperature, sp.top_p, sp.top_k)
       pad = jnp.zeros((batch, k), jnp.int32)
       return (jnp.concatenate([tok[:, None], pad], 1), jnp.concatenate([lp[:, None], pad.astype(lp.dtype)], 1),
               jnp.zeros((batch,), jnp.int32), o.cache)
 
-    toks, lps, n_acc, cache = jax.lax.cond(jnp.any(found), verify, single)
+    if k == 0:
+      # Plain decoding's draw for token j: the row's key folded with j (`_sample`'s step).
+      u0 = jax.vmap(lambda key, n: jax.random.uniform(jax.random.fold_in(key, n)))(keys, s.lengths)
+      toks, lps, n_acc, cache = single(u0)
+    else:
+      valid = prompt_valid | ((col[None] >= start[:, None]) & (col[None] <= end[:, None]))
+      draft, found = prompt_lookup(s.seq, valid, end, k, spec.max_ngram, spec.min_ngram)
+      found &= live
+      # Per row from its own key and length (which grows every step): a row's draws never depend on its neighbours.
+      u = jax.vmap(lambda key, n: jax.random.uniform(jax.random.fold_in(key, n), (2, k + 1)))(keys, s.lengths)
+
+      def verify():
+        o = model.apply({"params": params}, jnp.concatenate([last, draft], 1), pos, key_valid, cache=s.cache,
+                        cache_index=end)
+        # Position K checks no draft: after K accepted drafts it yields the bonus token.
+        has = found[:, None] & (jnp.arange(k + 1) < k)[None]
+        padded = jnp.concatenate([draft, jnp.zeros((batch, 1), jnp.int32)], 1)
+        toks, lps, acc = verify_draft(o.logits, padded, has, u[:, 0], u[:, 1], sp.temperature, sp.top_p, sp.top_k)
+        return toks, lps, jnp.sum(jnp.cumprod(acc, -1), -1), o.cache
+
+      # No row has a draft: the single step, with the uniform verify's position 0 would use.
+      toks, lps, n_acc, cache = jax.lax.cond(jnp.any(found), verify, lambda: single(u[:, 1, 0]))
     s = s.replace(iters=s.iters + 1, cache=cache, forwards=s.forwards + live)
     for j in range(k + 1):
       emit = ~s.done & (j <= n_acc)
@@ -386,8 +394,84 @@ def _sample_speculative(params, prompt_tokens, prompt_mask, keys, sp: SamplingPa
 
   # Every step emits at least one token per live row, so n_max steps always suffice; the bound is only a guard.
   s = jax.lax.while_loop(lambda s: (s.iters < n_max) & ~jnp.all(s.done), step, state)
-  return SampleOutput(tokens=s.seq[:, prompt_len:], logps=s.logps, lengths=s.lengths, stopped=s.stopped,
-                      forwards=s.forwards, draft_accepted=s.draft_accepted)
+  src = jnp.minimum(start[:, None] + out_col[None], width - 1)
+  return SampleOutput(tokens=jnp.take_along_axis(s.seq, src, 1), logps=s.logps, lengths=s.lengths,
+                      stopped=s.stopped, forwards=s.forwards, draft_accepted=s.draft_accepted), s.cache
+
+
+def _sample_speculative(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, group: int = 1, *,
+                        cfg: ModelConfig, max_new_tokens: int, pad_id: int, spec: SpeculativeConfig) -> SampleOutput:
+  """`_sample` with copy-speculative decoding (`_decode_rows` with K > 0) after the same prefill."""
+  model = Transformer(cfg)
+  k, n_max = spec.draft_tokens, max_new_tokens
+  batch, prompt_len = prompt_tokens.shape
+  tokens, mask, plen = _left_align(prompt_tokens, prompt_mask)
+  positions = jnp.maximum(jnp.cumsum(mask, -1) - 1, 0)
+  # K spare slots: a finished row still writes K + 1 slots from its last token, and XLA would clamp a write that ran
+  # past the end of the cache back onto earlier slots. Generated slots are all valid: the causal mask hides a row's
+  # slots past its query, which are the only ones holding rejected drafts.
+  key_valid = jnp.concatenate([mask, jnp.ones((batch, n_max + k), bool)], -1)
+  cache = KVCache.zeros(cfg, batch // group, prompt_len + n_max + k).constrain()
+  first_logits, cache = _prefill(model, params, tokens, positions, key_valid, cache, group)
+  seq = jnp.concatenate([jnp.where(mask, tokens, pad_id), jnp.full((batch, n_max), pad_id, jnp.int32)], -1)
+  prompt_valid = jnp.concatenate([mask, jnp.zeros((batch, n_max), bool)], -1)
+  start = jnp.full((batch,), prompt_len, jnp.int32)
+  out, _ = _decode_rows(model, params, cache, key_valid, seq, prompt_valid, start, plen, first_logits, keys, sp,
+                        n_max=n_max, pad_id=pad_id, spec=spec)
+  return out
+
+
+def _sample_reuse(params, cache: KVCache, tokens, lengths, reuse, keys, sp: SamplingParams, group: int = 1, *,
+                  cfg: ModelConfig, max_new_tokens: int, pad_id: int, spec: SpeculativeConfig, width: int
+                  ) -> tuple[SampleOutput, KVCache]:
+  """The `KVReuse` path. `tokens` [B, P]: each row's whole prompt from column 0 (pad after it), `lengths` [B] its
+  length, `reuse` [B] how many of its first tokens `cache` already holds at slots 0.. (always < lengths). Slot and
+  RoPE position are equal in this layout. One `width`-column forward prefills columns reuse .. lengths - 1 of each
+  row at its slots (columns past a row's prompt write slots that its decoding overwrites before any query can see
+  them: the causal mask hides slots past the query), then `_decode_rows` decodes from slot `lengths`."""
+  model = Transformer(cfg)
+  n_max = max_new_tokens
+  batch, p = tokens.shape
+  col = reuse[:, None] + jnp.arange(width)
+  suffix = jnp.take_along_axis(tokens, jnp.minimum(col, p - 1), 1)
+  # Every slot is valid: slots past a row's last written one are never at or before a query's slot when read.
+  key_valid = jnp.ones((batch, cache.slots), bool)
+  if group > 1:
+    cache = jax.tree.map(lambda x: x[::group], cache)
+  first_logits, cache = _prefill(model, params, suffix, col, key_valid, cache, group, cache_index=reuse,
+                                 logits_at=lengths - 1 - reuse)
+  prompt_valid = jnp.arange(p + n_max)[None] < lengths[:, None]
+  seq = jnp.where(prompt_valid, jnp.pad(tokens, ((0, 0), (0, n_max))), pad_id)
+  return _decode_rows(model, params, cache, key_valid, seq, prompt_valid, lengths, lengths, first_logits, keys, sp,
+                      n_max=n_max, pad_id=pad_id, spec=spec)
+
+
+@dataclasses.dataclass
+class KVReuse:
+  """Rows' KV caches kept on device between calls of one `Sampler` (`Sampler.__call__(..., reuse=...)`), for
+  multi-turn callers whose next prompt repeats much of the last prompt and answer.
+
+  Row r's cache holds the keys and values of `held[r]` (its last prompt and answer but the answer's last token, whose
+  keys were never computed) at slots 0..; the next call prefills only the part of the row's new prompt after its
+  longest common prefix with `held[r]`, and a prefix that breaks at once (a new episode, dropped history) is a full
+  prefill. Tokens and log-probs equal the full-prefill path's to float32 rounding (the prefix's keys were computed in
+  another forward); tests/test_kv_reuse.py checks it. `prompt_tokens` and `prefilled` count the prompt tokens of the
+  calls' live rows (budget > 0) and how many of them the caches did not hold. The prefill forward itself runs a fixed
+  number of columns per row: the smallest of a quarter, half or all of the prompt bucket that holds every row's new
+  tokens.
+  """
+
+  cache: KVCache | None = None
+  held: list[np.ndarray] = dataclasses.field(default_factory=list)
+  prompt_tokens: int = 0
+  prefilled: int = 0
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+  """Length of the longest common prefix of two id arrays."""
+  n = min(len(a), len(b))
+  differ = np.flatnonzero(a[:n] != b[:n])
+  return int(differ[0]) if len(differ) else n
 
 
 class Sampler:
@@ -396,7 +480,10 @@ class Sampler:
   Calls with the same batch size and prompt length reuse one compilation whatever the settings, prompts or keys.
   `speculative` (off by default) turns on copy-speculative decoding; its statistics are in `SampleOutput.forwards`,
   `.draft_accepted` and `.speculation_stats()`. A call with `group` G > 1 prefills each group of G identical prompts
-  once (see the module docstring); each G used compiles once more.
+  once (see the module docstring); each G used compiles once more. A call with `reuse` (a `KVReuse` the caller keeps
+  across its calls) prefills only what each row's cache does not already hold; it compiles once per (prompt width,
+  prefill width, cache slots, G), the prefill width being the smallest of a quarter, half or all of the prompt width
+  that holds every row's new part.
   """
 
   def __init__(self, cfg: ModelConfig, max_new_tokens: int, pad_id: int = 0, mesh: jax.sharding.Mesh | None = None,
@@ -410,17 +497,24 @@ class Sampler:
       fn = functools.partial(_sample_speculative, spec=self.speculative)
     else:
       fn = _sample  # plain decoding, untouched by speculation
-    self._fn = jax.jit(functools.partial(fn, cfg=cfg, max_new_tokens=max_new_tokens, pad_id=pad_id),
-                       static_argnums=5)
+    bound = dict(cfg=cfg, max_new_tokens=max_new_tokens, pad_id=pad_id)
+    self._fn = jax.jit(functools.partial(fn, **bound), static_argnums=5)
+    # The cache is donated: the caller's KVReuse gets the updated one back, so one copy lives at a time.
+    self._reuse_fn = jax.jit(functools.partial(_sample_reuse, spec=self.speculative, **bound),
+                             static_argnums=7, static_argnames="width", donate_argnums=1)
+    self._zeros = jax.jit(lambda batch, slots: KVCache.zeros(cfg, batch, slots).constrain(), static_argnums=(0, 1))
+    self._param_shardings = None
 
   def param_shardings(self):
     """Where parameters should live for sampling (differs from training when training shards over fsdp)."""
-    from dreamjax.models.params import abstract_params
+    if self._param_shardings is None:
+      from dreamjax.models.params import abstract_params
 
-    return tree_shardings(abstract_params(self.cfg), self.mesh, self.rules)
+      self._param_shardings = tree_shardings(abstract_params(self.cfg), self.mesh, self.rules)
+    return self._param_shardings
 
   def compilations(self) -> int:
-    return self._fn._cache_size()
+    return self._fn._cache_size() + self._reuse_fn._cache_size()
 
   def group_for(self, batch: int, group: int) -> int:
     """The prefill group a call of `batch` rows asking for `group` gets: `group`, or 1 (plain prefill) where it does
@@ -434,21 +528,81 @@ class Sampler:
         return 1
     return group
 
-  def __call__(self, params, prompt_tokens, prompt_mask, key: jax.Array, sp: SamplingParams, group: int = 1
-               ) -> SampleOutput:
+  def __call__(self, params, prompt_tokens, prompt_mask, key: jax.Array, sp: SamplingParams, group: int = 1,
+               reuse: KVReuse | None = None) -> SampleOutput:
     """`key`: one PRNG key (split per row) or one key per row [B]. `group` G: the caller promises that rows
     G * i .. G * i + G - 1 have identical prompts (tokens and mask), so each group is prefilled once (`group_for`
-    may turn it down); the output is that of `group` 1."""
+    may turn it down); the output is that of `group` 1. `reuse`: the caller's `KVReuse`, updated in place; the
+    output then comes back on the host (NumPy), since the held tokens are needed there."""
     batch = np.shape(prompt_tokens)[0]
     keys = key if key.ndim == 1 and key.shape[0] == batch else jax.random.split(key, batch)
     sp = jax.tree.map(jnp.asarray, sp)  # a numpy leaf would be a different jit cache entry than a jax.Array
     group = self.group_for(batch, group)
+    if reuse is not None:
+      return self._call_reuse(params, prompt_tokens, prompt_mask, keys, sp, group, reuse)
     if self.mesh is None:
       return self._fn(params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool), keys, sp, group)
-    # Host prompts stay NumPy until `to_devices` places them: with several processes each places only its share.
-    host = [x.astype(t) if isinstance(x, jax.Array) else np.asarray(x, t)
-            for x, t in ((prompt_tokens, np.int32), (prompt_mask, bool))]
-    rows = named_sharding(("batch", None), host[0].shape, self.mesh, self.rules)
-    prompt_tokens, prompt_mask = to_devices(tuple(host), (rows, rows))
+    prompt_tokens, prompt_mask = self._rows_to_devices(prompt_tokens, prompt_mask)
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
       return self._fn(params, prompt_tokens, prompt_mask, keys, sp, group)
+
+  def _rows_to_devices(self, *arrays):
+    """Host arrays with rows first, placed by rows over the mesh's data axes. They stay NumPy until `to_devices`
+    places them: with several processes each places only its share."""
+    host = [np.asarray(x) for x in jax.device_get(arrays)]
+    shardings = tuple(named_sharding(("batch",) + (None,) * (x.ndim - 1), x.shape, self.mesh, self.rules)
+                      for x in host)
+    return to_devices(tuple(host), shardings)
+
+  def _call_reuse(self, params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, group: int,
+                  reuse: KVReuse) -> SampleOutput:
+    tokens, mask = np.asarray(jax.device_get(prompt_tokens), np.int32), np.asarray(jax.device_get(prompt_mask), bool)
+    batch, width = tokens.shape
+    prompts = [tokens[r][mask[r]] for r in range(batch)]
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    slots = width + self.max_new_tokens + self.speculative.draft_tokens
+    if reuse.cache is None or len(reuse.held) != batch or reuse.cache.slots < slots:
+      # A first call, another batch size, or a wider prompt bucket than the cache has room for: start empty.
+      with self._mesh_context():
+        reuse.cache = self._zeros(batch, slots)
+      reuse.held = [np.zeros(0, np.int32)] * batch
+    slots = reuse.cache.slots
+    # At least the last prompt token is prefilled: its logits choose the first new token.
+    held = np.minimum([common_prefix(p, h) for p, h in zip(prompts, reuse.held)], lengths - 1)
+    need = int(np.max(lengths - held))
+    prefill = next(w for w in (max(width // 4, 1), max(width // 2, 1), width) if w >= need)
+    live = np.asarray(jax.device_get(sp.max_new_tokens)) > 0
+    reuse.prompt_tokens += int(np.sum(lengths[live]))
+    reuse.prefilled += int(np.sum((lengths - held)[live]))
+    # The prefill's window of `prefill` columns starts at each row's first new token, or earlier where it would run
+    # past the cache (XLA would clamp the write back onto earlier slots): the forward costs `prefill` columns either
+    # way, and recomputing held tokens is exact.
+    held = np.minimum(held, slots - prefill).astype(np.int32)
+    if group > 1 and not (held.reshape(-1, group) == held[::group, None]).all():
+      group = 1  # the group's rows must also hold the same prefix to share one prefill
+    left = np.full((batch, width), self.pad_id, np.int32)
+    for r, p in enumerate(prompts):
+      left[r, :len(p)] = p
+    cache, reuse.cache = reuse.cache, None  # donated: a failed call must not leave a deleted cache behind
+    if self.mesh is None:
+      args = (jnp.asarray(left), jnp.asarray(lengths), jnp.asarray(held))
+      out, cache = self._reuse_fn(params, cache, *args, keys, sp, group, width=prefill)
+    else:
+      args = self._rows_to_devices(left, lengths, held)
+      with self._mesh_context():
+        out, cache = self._reuse_fn(params, cache, *args, keys, sp, group, width=prefill)
+    out = to_host(out)
+    reuse.cache = cache
+    reuse.held = [np.concatenate([p, out.tokens[r, :max(int(out.lengths[r]) - 1, 0)]]).astype(np.int32)
+                  for r, p in enumerate(prompts)]
+    return out
+
+  def _mesh_context(self):
+    import contextlib
+
+    if self.mesh is None:
+      return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(jax.set_mesh(self.mesh))
+    stack.enter_context(nn.logical_axis_rules(self.rules))
+    return stack
