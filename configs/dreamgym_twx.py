@@ -36,6 +36,7 @@ def config() -> DreamGymConfig:
       # task-generation appendix).
       curriculum=CurriculumConfig(capacity=2048, lam=0.2, generate_every=5, seeds_per_round=8, proposals_per_seed=4,
                                   variants_per_seed=1),
+      exp_kv_reuse=True,  # M_exp's retries and steps prefill only what its cache lacks (exact)
       out_dir="runs/dreamgym/grpo_twx",
   )
 
@@ -51,5 +52,6 @@ def tiny() -> DreamGymConfig:
       reasoning=False,  # the tiny M_exp is trained without reasoning (see configs/train_exp_twx.py:tiny)
       curriculum=CurriculumConfig(capacity=256, lam=0.25, generate_every=2, seeds_per_round=2, variants_per_seed=2,
                                   max_new_tokens=64),
+      exp_kv_reuse=True,
       out_dir="runs/dreamgym/grpo_coin_tiny",
   )

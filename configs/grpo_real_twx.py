@@ -39,8 +39,10 @@ def config() -> RLConfig:
       train_tasks=TaskSpec(games=("cookingworld", "twc", "coin"), split="train", start=0, count=500),
       eval_tasks=TaskSpec(games=("cookingworld", "twc", "coin"), split="dev", start=0, count=50),
       agent=AgentFormat(think=False, history_turns=4, history_token_budget=512, max_admissible=50),  # as in SFT
+      # The exact fast paths (dreamjax/rollout/engine.py): a group's first prompt prefilled once, and each row's KV
+      # cache kept across turns (experiments/bench/multiturn_rollout.py: the same trajectories, 1.35x on the demo).
       rollout=RolloutConfig(group_size=8, max_turns=50, max_action_tokens=32, max_episode_tokens=1600,
-                            prompt_buckets=(1024, 2048), temperature=1.0),
+                            prompt_buckets=(1024, 2048), temperature=1.0, group_prefill=True, kv_reuse=True),
       tasks_per_iteration=16,
       optim=OptimConfig(lr=1e-6, warmup_steps=5, clip_norm=1.0),
       rows_per_step=256,
@@ -68,7 +70,7 @@ def tiny() -> RLConfig:
       agent=AgentFormat(think=False, history_turns=2, history_token_budget=160),
       # The expert needs 2 or 3 steps; 4 turns leave room for one mistake.
       rollout=RolloutConfig(group_size=8, max_turns=4, max_action_tokens=16, max_episode_tokens=64,
-                            prompt_buckets=(384,), temperature=1.0),
+                            prompt_buckets=(384,), temperature=1.0, group_prefill=True, kv_reuse=True),
       # Dr. GRPO: without the std division, a group that differs only by an invalid-action penalty (all 8 found the
       # coin, one wasted a turn) gets advantages of order 0.1, not of order 1 like a success against a failure.
       normalize_std=False,

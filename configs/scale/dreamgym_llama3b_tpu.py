@@ -101,23 +101,23 @@ tests/test_memory.py from this command:
   reference params (train layout, bfloat16)                 0.19  all
   M_exp params (sampling layout)                            1.87  all
   policy params for sampling (bfloat16)                     0.75  rollout,exp_step
-  policy KV cache (128 rows x 2560 slots)                   1.09  rollout
+  policy KV cache (128 rows x 2560 slots)                   1.09  rollout,exp_step
   policy prefill (128 rows x 2048)                          2.31  rollout
   scoring forward (32 rows x 2560)                          0.82  score
   gradients (f32 accumulator + one in dtype)                0.75  update
   activations (1 rows/device x 2560, per micro-batch)       2.47  update
   export: one block of a leaf gathered whole                0.37  export
-  M_exp KV cache (128 rows x 3584 slots)                    1.75  exp_step
+  M_exp KV cache (128 rows x 3584 slots)                    1.75  rollout,exp_step
   M_exp prefill (128 rows x 3072)                           4.78  exp_step
   M_task KV cache (8 rows x 4352 slots)                     0.13  task_gen
   M_task prefill (8 rows x 4096)                            0.40  task_gen
-  peak rollout                                              7.34
-  peak exp_step                                            10.46
+  peak rollout                                              9.09
+  peak exp_step                                            11.55
   peak score                                                4.00
   peak update                                               6.40
   peak task_gen                                             3.71
   peak export                                               3.56
-  fits in 32 GiB per device (33% at the peak)
+  fits in 32 GiB per device (36% at the peak)
 """
 
 import dataclasses

@@ -102,23 +102,23 @@ tests/test_memory.py from this command:
   reference params (train layout, bfloat16)                 0.94  all
   M_exp params (sampling layout)                            1.87  all
   policy params for sampling (bfloat16)                     1.87  rollout,exp_step
-  policy KV cache (128 rows x 2560 slots)                   2.50  rollout
+  policy KV cache (128 rows x 2560 slots)                   2.50  rollout,exp_step
   policy prefill (128 rows x 2048)                          6.38  rollout
   scoring forward (32 rows x 2560)                          2.20  score
   gradients (f32 accumulator + one in dtype)                3.74  update
   activations (2 rows/device x 2560, per micro-batch)       7.73  update
   export: one block of a leaf gathered whole                0.38  export
-  M_exp KV cache (128 rows x 3584 slots)                    3.50  exp_step
+  M_exp KV cache (128 rows x 3584 slots)                    3.50  rollout,exp_step
   M_exp prefill (128 rows x 3072)                           9.56  exp_step
   M_task KV cache (8 rows x 4352 slots)                     0.27  task_gen
   M_task prefill (8 rows x 4096)                            0.80  task_gen
-  peak rollout                                             19.16
-  peak exp_step                                            23.35
+  peak rollout                                             22.66
+  peak exp_step                                            25.85
   peak score                                               10.61
   peak update                                              19.89
   peak task_gen                                             9.48
   peak export                                               8.79
-  fits in 72 GiB per device (32% at the peak)
+  fits in 72 GiB per device (36% at the peak)
 """
 
 import dataclasses

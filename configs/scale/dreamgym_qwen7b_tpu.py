@@ -102,23 +102,23 @@ tests/test_memory.py from this command:
   reference params (train layout, bfloat16)                 0.89  all
   M_exp params (sampling layout)                            3.74  all
   policy params for sampling (bfloat16)                     3.55  rollout,exp_step
-  policy KV cache (128 rows x 2560 slots)                   1.09  rollout
+  policy KV cache (128 rows x 2560 slots)                   1.09  rollout,exp_step
   policy prefill (128 rows x 2048)                          4.66  rollout
   scoring forward (32 rows x 2560)                          1.89  score
   gradients (f32 accumulator + one in dtype)                3.55  update
   activations (2 rows/device x 2560, per micro-batch)       9.23  update
   export: one block of a leaf gathered whole                0.37  export
-  M_exp KV cache (128 rows x 3584 slots)                    3.50  exp_step
+  M_exp KV cache (128 rows x 3584 slots)                    3.50  rollout,exp_step
   M_exp prefill (128 rows x 3072)                           7.31  exp_step
   M_task KV cache (8 rows x 4352 slots)                     0.27  task_gen
   M_task prefill (8 rows x 4096)                            0.61  task_gen
-  peak rollout                                             19.25
-  peak exp_step                                            24.31
+  peak rollout                                             22.75
+  peak exp_step                                            25.40
   peak score                                               11.84
   peak update                                              22.73
   peak task_gen                                            10.82
   peak export                                              10.32
-  fits in 95 GiB per device (26% at the peak)
+  fits in 95 GiB per device (27% at the peak)
 """
 
 import dataclasses

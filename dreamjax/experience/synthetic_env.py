@@ -69,7 +69,8 @@ sampled ones keep their distribution (dreamjax/sampling/sampler.py). `stats` rep
 prefills only the part of a row's prompt after its longest common prefix with the row's last prompt and answer, with
 the same answers (to float32 rounding). A retry of a malformed answer reuses its whole prompt; a next step reuses the
 system message, the task and the tutorial, since the retrieved examples that follow them change every step
-(dreamjax/experience/format.py). `stats` counts prompt_tokens and prefilled_tokens.
+(dreamjax/experience/format.py). `stats` counts prompt_tokens and prefilled_tokens. The caches are freed when every
+row of the batch is done (or at the next `reset_batch`), so they do not outlive the rollout into the policy's update.
 
 `info` of a stepped row: reasoning, output (the decoded text of the last attempt), generated_tokens (over all
 attempts), stopped (the last attempt ended by the stop token rather than the budget), exp_attempts (answers sampled:
@@ -395,6 +396,8 @@ class SyntheticEnv:
         row.last = StepResult(Observation(pred.next_state, row.instruction, pred.admissible), pred.reward,
                               pred.done or truncated, pred.success, pred.invalid, info)
     stats["parse_s"] += time.perf_counter() - t3
+    if self._reuse is not None and all(r.done for r in self._rows):
+      self._reuse = KVReuse()  # the batch is over: free the caches before the policy's update needs the memory
     return [r.last for r in self._rows]
 
   # --- the rest --------------------------------------------------------------------------------------------------------

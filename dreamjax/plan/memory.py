@@ -490,9 +490,12 @@ def _learner_lines(rl: Any, policy: ModelConfig, sizes: Mapping[str, int],
   if rl.objective.kl_coef:  # frozen, so kept in the compute dtype (`in_compute_dtype`), as is the sampling copy
     resident.append(Line(f"reference params (train layout, {policy.dtype})",
                          compute_copy_bytes(policy, sizes, TRAIN_RULES), ()))
+  # With kv_reuse the policy's cache lives for the whole rollout, M_exp's steps between its turns included.
+  cache_phases = sampling if getattr(ro, "kv_reuse", False) else ("rollout",)
+  cache, prefill = _sampler_lines("policy", policy, rows, prompt, ro.max_action_tokens, sizes, ("rollout",))
   transient = [
       Line(f"policy params for sampling ({policy.dtype})", sampling_copy_bytes(policy, sizes), sampling),
-      *_sampler_lines("policy", policy, rows, prompt, ro.max_action_tokens, sizes, ("rollout",)),
+      dataclasses.replace(cache, phases=cache_phases), prefill,
       Line(f"scoring forward ({rl.score_batch} rows x {length})",
            forward_bytes(policy, rl.score_batch, length, sizes, TRAIN_RULES), ("score",)),
       *_update_lines(policy, micro_rows, length, sizes, ("update",)),
@@ -529,8 +532,10 @@ def plan_dreamgym(cfg: Any, policy: ModelConfig, exp: ModelConfig, sizes: Mappin
   resident.append(Line("M_exp params (sampling layout)", param_bytes(exp, sizes, SAMPLE_RULES), ()))
   prompt, rows = cfg.exp_prompt_buckets[-1], rl.rows
   slots = prompt + cfg.exp_max_new_tokens
+  # With exp_kv_reuse M_exp's cache lives through the episode batch, the policy's turns included.
+  exp_cache_phases = ("rollout", "exp_step") if getattr(cfg, "exp_kv_reuse", False) else ("exp_step",)
   transient += [
-      Line(f"M_exp KV cache ({rows} rows x {slots} slots)", kv_cache_bytes(exp, rows, slots, sizes), ("exp_step",)),
+      Line(f"M_exp KV cache ({rows} rows x {slots} slots)", kv_cache_bytes(exp, rows, slots, sizes), exp_cache_phases),
       Line(f"M_exp prefill ({rows} rows x {prompt})",
            forward_bytes(exp, rows, prompt, sizes, SAMPLE_RULES, logits_positions=1), ("exp_step",)),
   ]

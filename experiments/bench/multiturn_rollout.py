@@ -91,13 +91,13 @@ def paths(args) -> tuple[str, str, str, str]:
   run = Path(args.run) if args.run else None
   config = args.config or str(ROOT / "configs" / "demo.py")
   policy = args.policy or (str(run / "sft" / "checkpoint") if run else "")
-  exp = args.exp_model or (str(run / "exp_model") if run else "")
+  exp = args.exp_model or (str(run / "exp_model" / "checkpoint") if run else "")
   records = args.records or (str(run / "data" / "trajectories.jsonl") if run else "")
   missing = [n for n, v in (("--policy", policy), ("--exp-model", exp), ("--records", records))
              if not v or not Path(v).exists()]
   if missing:
     raise SystemExit(f"multiturn_rollout: {', '.join(missing)}: not given, or not found (under --run {args.run!r}: "
-                     f"sft/checkpoint, exp_model, data/trajectories.jsonl)")
+                     f"sft/checkpoint, exp_model/checkpoint, data/trajectories.jsonl)")
   return config, policy, exp, records
 
 
