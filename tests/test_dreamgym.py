@@ -274,3 +274,21 @@ def test_write_back_keeps_the_steps_m_exp_answered():
   assert [(t.episode_id, t.step, t.state) for t in out] == [("policy:0", 0, "room 00"), ("policy:1", 0, "room 10"),
                                                             ("policy:1", 1, "room 11")]
   assert all(t.origin == "synthetic" and t.policy_version == 4 and not t.history for t in out)
+
+
+def test_multiturn_rollout_bench_fast_paths_give_the_same_trajectories(parts, tmp_path):
+  """experiments/bench/multiturn_rollout.py on this file's policy and M_exp, grouped prefill and KV reuse against
+  full prefill: the same sampled trajectories, fewer prefilled tokens, a table for each."""
+  from experiments.bench import multiturn_rollout as bench
+
+  data, exp, policy = parts
+  cfg = _config(parts, tmp_path / "unused", exp_temperature=1.0)
+  args = bench.parse_args(["--tasks", "2", "--group", "2", "--turns", "3", "--settings", "off,both"])
+  off, both = bench.bench(args, cfg, str(policy), str(exp), str(data))
+  np.testing.assert_array_equal(both["tokens"], off["tokens"])
+  assert both["exp_steps"] == off["exp_steps"] > 0
+  prefilled = {r["setting"]: sum(t["policy_prefilled"] + t["exp_prefilled"] for t in r["turns"]) for r in (off, both)}
+  prompt = sum(t["policy_prompt"] + t["exp_prompt"] for t in off["turns"])
+  assert prefilled["off"] == prompt > prefilled["both"]
+  table = bench.tables([off, both])
+  assert table.count("| yes |") == 2 and "| 0 | 4 |" in table

@@ -102,8 +102,10 @@ def paths(args) -> tuple[str, str, str, str]:
 
 
 def run_setting(name, args, cfg, policy, exp, records) -> dict:
+  """One setting's timed rollout. `cfg`: a reproduce config (its real-env RL and DreamGym sections) or a DreamGym
+  config (its RL section)."""
   group_prefill, kv_reuse = SETTINGS[name]
-  rl, dg = cfg.real, cfg.dreamgym
+  rl, dg = (cfg.real, cfg.dreamgym) if hasattr(cfg, "dreamgym") else (cfg.rl, cfg)
   pol_cfg, pol_params, pol_tok = policy
   exp_cfg, exp_params, exp_tok, meta, fmt, retriever = exp
   rollout = dataclasses.replace(rl.rollout, group_size=args.group, max_turns=args.turns,
@@ -174,7 +176,7 @@ def tables(results: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--run", default="", help="a `make demo` (reproduce) run folder to take the parts from")
   parser.add_argument("--config", default="", help="the run's reproduce config (default configs/demo.py)")
@@ -187,9 +189,11 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--settings", default="off,group,reuse,both")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default=str(ROOT / "runs" / "bench" / "multiturn_rollout"))
-  args = parser.parse_args(argv)
-  config, policy_dir, exp_dir, records_file = paths(args)
-  cfg = load_config(config)
+  return parser.parse_args(argv)
+
+
+def bench(args: argparse.Namespace, cfg, policy_dir: str, exp_dir: str, records_file: str) -> list[dict]:
+  """Every setting of `args.settings` on the same workload."""
   records = read_trajectories(records_file)
   policy = load_model(policy_dir)
   meta = json.loads((Path(exp_dir) / "exp_model.json").read_text())
@@ -199,7 +203,13 @@ def main(argv: list[str] | None = None) -> int:
   retriever = exp_retriever(meta["retrieval_encoder"], meta["encoder_folder"])
   retriever.add(list(transitions(records, max_history=0)))
   exp = (exp_cfg, exp_params, exp_tok, meta, fmt, retriever)
-  results = [run_setting(name, args, cfg, policy, exp, records) for name in args.settings.split(",")]
+  return [run_setting(name, args, cfg, policy, exp, records) for name in args.settings.split(",")]
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = parse_args(argv)
+  config, policy_dir, exp_dir, records_file = paths(args)
+  results = bench(args, load_config(config), policy_dir, exp_dir, records_file)
   text = (f"Multi-turn rollout: {args.tasks} tasks x {args.group} rollouts, up to {args.turns} turns; policy "
           f"{policy_dir}, M_exp {exp_dir}\n\n" + tables(results))
   print(text)

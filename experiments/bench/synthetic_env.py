@@ -19,10 +19,12 @@ rows (16 by default, not 64: these envs are CPU-bound per step, so on a 2-core m
 steps/s beyond what the workers' cores give, while 64 TextWorld-Express rows would start 64 JVMs). Envs whose package is missing are skipped with a line saying why. Prints a markdown table
 with the synthetic contender's ratio to each real one, and writes table.md and results.json to --out.
 
-A trained M_exp (`--exp-model`, a folder written by `dreamjax train-exp`, e.g. the demo's runs/demo/exp_model) adds a
-second table: that M_exp stepping the recorded first actions of --rows episodes, greedy, at each `--draft-tokens`
-setting of copy-speculative decoding (0 is plain decoding): transitions/s, the speedup over plain decoding, the
-acceptance rates, and whether every answer equals plain decoding's (it must: greedy speculation is exact). Its
+A trained M_exp (`--exp-model`, a folder written by `dreamjax train-exp`, e.g. the demo's runs/demo/exp_model/checkpoint)
+adds a second table: that M_exp stepping the first `--steps` recorded actions of --rows episodes (a batch of episodes
+after another), greedy, at each `--draft-tokens` setting of copy-speculative decoding (0 is plain decoding) with and
+without KV reuse across steps (`--kv-reuse`): transitions/s, the speedup over the first setting, the acceptance
+rates, the share of prompt tokens prefilled, whether every answer equals the first setting's (it must: both are exact
+under greedy decoding), and the ratio to each real env's pool contender when the real envs ran. Its
 prompts use the model's own bucket (`--exp-bucket`) and retrieval (phi and the training format, from exp_model.json)
 over the offline transitions.
 
@@ -140,7 +142,7 @@ def bench_synthetic(args, records: list[TrajectoryRecord]) -> dict:
 
 
 def bench_trained(args, records: list[TrajectoryRecord]) -> list[dict]:
-  """The trained M_exp of --exp-model at each --draft-tokens setting (module docstring), greedy."""
+  """The trained M_exp of --exp-model at each --draft-tokens and --kv-reuse setting (module docstring), greedy."""
   meta = json.loads((Path(args.exp_model) / "exp_model.json").read_text())
   fmt = exp_format(meta)
   cfg, params, tok, meta, fmt = load_exp_model(args.exp_model, reasoning=fmt.reasoning, replay=fmt.retrieval,
@@ -149,45 +151,69 @@ def bench_trained(args, records: list[TrajectoryRecord]) -> list[dict]:
   retriever.add(list(transitions(records, max_history=0))[: args.buffer])
   starts = [r for r in records if r.steps]
   rows = [starts[i % len(starts)] for i in range(args.rows)]
-  tasks, actions = [r.task for r in rows], [r.steps[0].action for r in rows]
+  tasks = [r.task for r in rows]
   exclude = {r.task.task_id: r.episode_id for r in rows}  # never the row's own episode, as in training
   bucket = args.exp_bucket or min(meta["max_len"], cfg.max_position_embeddings - meta["max_new_tokens"])
+
+  def episode_batch(env) -> list[str]:
+    """Steps every row through its episode's first --steps recorded actions (a row whose episode, recorded or
+    predicted, has ended gets None); returns the answers."""
+    env.reset_batch(tasks)
+    answers, ended = [], [False] * len(rows)
+    for j in range(args.steps):
+      actions = [None if ended[i] or j >= len(r.steps) else r.steps[j].action for i, r in enumerate(rows)]
+      if not any(actions):
+        break
+      for i, res in enumerate(env.step_batch(actions)):
+        if actions[i] is not None:
+          answers.append(res.info["output"])
+          ended[i] = res.done
+    return answers
+
   out, reference = [], None
   for k in [int(x) for x in args.draft_tokens.split(",")]:
-    env = SyntheticEnv(cfg, params, tok, fmt, retriever if fmt.retrieval else None,
-                       initial_states=initial_states_from(records), max_new_tokens=meta["max_new_tokens"],
-                       temperature=0.0, prompt_buckets=(bucket,), key=jax.random.key(args.seed),
-                       exclude_episodes=exclude, speculative=SpeculativeConfig(draft_tokens=k))
-    env.reset_batch(tasks)
-    t0 = time.perf_counter()
-    answers = [r.info["output"] for r in env.step_batch(actions)]  # compiles
-    first_s = time.perf_counter() - t0
-    env.reset_stats()
-    steps, step_s = 0, 0.0
-    while step_s < args.seconds:
-      env.reset_batch(tasks)
+    for reuse in [x == "on" for x in args.kv_reuse.split(",")]:
+      env = SyntheticEnv(cfg, params, tok, fmt, retriever if fmt.retrieval else None,
+                         initial_states=initial_states_from(records), max_new_tokens=meta["max_new_tokens"],
+                         temperature=0.0, prompt_buckets=(bucket,), key=jax.random.key(args.seed),
+                         exclude_episodes=exclude, speculative=SpeculativeConfig(draft_tokens=k), kv_reuse=reuse,
+                         max_steps=args.steps)
       t0 = time.perf_counter()
-      steps += len(env.step_batch(actions))
-      step_s += time.perf_counter() - t0
-    s = env.stats
-    reference = answers if reference is None else reference
-    out.append({"draft_tokens": k, "rows": args.rows, "bucket": bucket, "steps": steps, "steps_per_s": steps / step_s,
-                "first_step_s": first_s, "mean_generated_tokens": s["mean_generated_tokens"],
-                "parse_failures": s["parse_failures"], "accepted_per_step": s["accepted_per_step"],
-                "tokens_per_forward": s["tokens_per_forward"], "same_answers_as_first": answers == reference})
-    print(f"  trained M_exp, K={k}: {out[-1]['steps_per_s']:.1f} transitions/s, {s['tokens_per_forward']:.2f} "
-          f"tokens per forward", file=sys.stderr, flush=True)
+      answers = episode_batch(env)  # compiles
+      first_s = time.perf_counter() - t0
+      env.reset_stats()
+      steps, step_s = 0, 0.0
+      while step_s < args.seconds:
+        t0 = time.perf_counter()
+        steps += len(episode_batch(env))
+        step_s += time.perf_counter() - t0
+      s = env.stats
+      reference = answers if reference is None else reference
+      out.append({"draft_tokens": k, "kv_reuse": reuse, "rows": args.rows, "bucket": bucket, "steps": steps,
+                  "steps_per_s": steps / step_s, "first_s": first_s, "mean_generated_tokens": s["mean_generated_tokens"],
+                  "parse_failures": s["parse_failures"], "accepted_per_step": s["accepted_per_step"],
+                  "tokens_per_forward": s["tokens_per_forward"], "prompt_tokens": s["prompt_tokens"],
+                  "prefilled_tokens": s["prefilled_tokens"], "same_answers_as_first": answers == reference})
+      print(f"  trained M_exp, K={k}, KV reuse {'on' if reuse else 'off'}: {out[-1]['steps_per_s']:.1f} "
+            f"transitions/s, {s['tokens_per_forward']:.2f} tokens per forward", file=sys.stderr, flush=True)
   return out
 
 
-def trained_table(rows: list[dict], folder: str) -> str:
-  lines = [f"| trained M_exp ({folder}), greedy | transitions/s | vs K=0 | accepted / step | tokens / forward | "
-           "tokens / step | answers equal K=0's |", "|---|---|---|---|---|---|---|"]
+def trained_table(rows: list[dict], folder: str, real: list[dict]) -> str:
+  """The trained M_exp's settings, with its speed over each real contender's (the real envs step random actions)."""
+  ratios = [r for r in real if r["contender"].startswith("pool")]
+  lines = [f"| trained M_exp ({folder}), greedy | KV reuse | transitions/s | vs first | accepted / step | "
+           "tokens / forward | tokens / step | prefilled / prompt tokens | answers equal the first's |" +
+           "".join(f" vs {r['env']} {r['contender']} |" for r in ratios), "|---|---|---|---|---|---|---|---|---|" +
+           "---|" * len(ratios)]
   for r in rows:
-    lines.append(f"| K={r['draft_tokens']}, {r['rows']} rows, bucket {r['bucket']} | {r['steps_per_s']:.1f} | "
+    lines.append(f"| K={r['draft_tokens']}, {r['rows']} rows, bucket {r['bucket']} | "
+                 f"{'on' if r['kv_reuse'] else 'off'} | {r['steps_per_s']:.1f} | "
                  f"{r['steps_per_s'] / rows[0]['steps_per_s']:.2f}x | {r['accepted_per_step']:.2f} | "
                  f"{r['tokens_per_forward']:.2f} | {r['mean_generated_tokens']:.0f} | "
-                 f"{'yes' if r['same_answers_as_first'] else 'NO'} |")
+                 f"{r['prefilled_tokens'] / max(r['prompt_tokens'], 1):.0%} | "
+                 f"{'yes' if r['same_answers_as_first'] else 'NO'} |" +
+                 "".join(f" {r['steps_per_s'] / x['steps_per_s']:.1f}x |" for x in ratios))
   return "\n".join(lines)
 
 
@@ -243,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--exp-model", default="", help="a trained M_exp folder (dreamjax train-exp): adds its table")
   parser.add_argument("--draft-tokens", default="0,4,8", help="speculative settings for --exp-model (0: plain)")
+  parser.add_argument("--kv-reuse", default="off,on", help="KV reuse settings for --exp-model (off, on, or both)")
+  parser.add_argument("--steps", type=int, default=3, help="recorded steps per episode batch for --exp-model")
   parser.add_argument("--exp-bucket", type=int, default=0, help="--exp-model's prompt bucket (0: its max_len, "
                       "less its decode budget where the position table needs it)")
   parser.add_argument("--skip-random", action="store_true", help="skip the random-model contender and the real envs")
@@ -269,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped[name] = why
     print(f"skipped {name}: {why}")
   text = "\n\n".join(([table(synthetic, real)] if synthetic else []) +
-                     ([trained_table(trained, args.exp_model)] if trained else []))
+                     ([trained_table(trained, args.exp_model, real)] if trained else []))
   print(text)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
