@@ -23,6 +23,7 @@ rows would be split differently over the data axes than the N rows falls back to
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
@@ -304,8 +305,7 @@ class _RowState:
 
 
 def _decode_rows(model: Transformer, params, cache: KVCache, key_valid, seq, prompt_valid, start, pos0, first_logits,
-                 keys, sp: SamplingParams, *, n_max: int, pad_id: int, spec: SpeculativeConfig
-                 ) -> tuple[SampleOutput, KVCache]:
+                 keys, sp: SamplingParams, *, n_max: int, spec: SpeculativeConfig) -> tuple[SampleOutput, KVCache]:
   """Decoding where every row writes the cache at its own slot: row b's j-th generated token takes slot
   `start[b] + j` of `seq` [B, S] and of the cache, with RoPE position `pos0[b] + j`. With K = `spec.draft_tokens` > 0
   each step drafts K tokens per row by prompt lookup, runs one forward over [last token, K drafts] and emits each
@@ -417,7 +417,7 @@ def _sample_speculative(params, prompt_tokens, prompt_mask, keys, sp: SamplingPa
   prompt_valid = jnp.concatenate([mask, jnp.zeros((batch, n_max), bool)], -1)
   start = jnp.full((batch,), prompt_len, jnp.int32)
   out, _ = _decode_rows(model, params, cache, key_valid, seq, prompt_valid, start, plen, first_logits, keys, sp,
-                        n_max=n_max, pad_id=pad_id, spec=spec)
+                        n_max=n_max, spec=spec)
   return out
 
 
@@ -443,7 +443,7 @@ def _sample_reuse(params, cache: KVCache, tokens, lengths, reuse, keys, sp: Samp
   prompt_valid = jnp.arange(p + n_max)[None] < lengths[:, None]
   seq = jnp.where(prompt_valid, jnp.pad(tokens, ((0, 0), (0, n_max))), pad_id)
   return _decode_rows(model, params, cache, key_valid, seq, prompt_valid, lengths, lengths, first_logits, keys, sp,
-                      n_max=n_max, pad_id=pad_id, spec=spec)
+                      n_max=n_max, spec=spec)
 
 
 @dataclasses.dataclass
@@ -542,20 +542,23 @@ class Sampler:
       return self._call_reuse(params, prompt_tokens, prompt_mask, keys, sp, group, reuse)
     if self.mesh is None:
       return self._fn(params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool), keys, sp, group)
-    prompt_tokens, prompt_mask = self._rows_to_devices(prompt_tokens, prompt_mask)
-    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+    prompt_tokens, prompt_mask = self._rows_to_devices(
+        *(x.astype(t) if isinstance(x, jax.Array) else np.asarray(x, t)
+          for x, t in ((prompt_tokens, np.int32), (prompt_mask, bool))))
+    with self._mesh_context():
       return self._fn(params, prompt_tokens, prompt_mask, keys, sp, group)
 
   def _rows_to_devices(self, *arrays):
-    """Host arrays with rows first, placed by rows over the mesh's data axes. They stay NumPy until `to_devices`
+    """Arrays with rows first, placed by rows over the mesh's data axes. Host arrays stay NumPy until `to_devices`
     places them: with several processes each places only its share."""
-    host = [np.asarray(x) for x in jax.device_get(arrays)]
+    host = [x if isinstance(x, jax.Array) else np.asarray(x) for x in arrays]
     shardings = tuple(named_sharding(("batch",) + (None,) * (x.ndim - 1), x.shape, self.mesh, self.rules)
                       for x in host)
     return to_devices(tuple(host), shardings)
 
   def _call_reuse(self, params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, group: int,
                   reuse: KVReuse) -> SampleOutput:
+    # The prompts are read on the host (common prefixes, lengths): callers pass host arrays, as the engines do.
     tokens, mask = np.asarray(jax.device_get(prompt_tokens), np.int32), np.asarray(jax.device_get(prompt_mask), bool)
     batch, width = tokens.shape
     prompts = [tokens[r][mask[r]] for r in range(batch)]
@@ -598,8 +601,6 @@ class Sampler:
     return out
 
   def _mesh_context(self):
-    import contextlib
-
     if self.mesh is None:
       return contextlib.nullcontext()
     stack = contextlib.ExitStack()
