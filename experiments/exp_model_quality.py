@@ -3,10 +3,11 @@
 For the full format and each ablation (no reasoning, no history, no retrieval), M_exp is trained with
 `dreamjax.commands.train_exp` (--train) or loaded from given checkpoints (--checkpoints name=folder,...; folders written by
 exp_sft, whose exp_model.json gives the format), then scored on the held-out tasks of the config's split by
-`dreamjax.experience.fidelity`: teacher-forced one step (exact match, token F1, reward/success/done/invalid accuracy
-with precision and recall, parse failures, eps_R, the sampled and teacher-forced eps_P estimates, NLL by region) and
-open loop along the recorded actions (exact match overall, by horizon, whole episodes), each beside the copy-the-state
-baseline. Writes table.md, results.json and plot.svg to --out and prints the table.
+`dreamjax.experience.fidelity`: teacher-forced one step (exact match, also apart on the transitions that reveal
+unseen rooms; token F1, reward/success/done/invalid accuracy with precision and recall, parse failures, eps_R,
+the sampled and teacher-forced eps_P estimates, NLL by region) and open loop along the recorded actions (exact match
+overall, by horizon, whole episodes), each beside the copy-the-state baseline. Writes table.md, results.json and
+plot.svg to --out and prints the table.
 
 Run (tiny, CPU; collect the small coin dataset first, see configs/train_exp_twx.py):
        python experiments/exp_model_quality.py --config configs/train_exp_twx.py:tiny --train \
@@ -42,7 +43,8 @@ from dreamjax.rl.logprobs import LogpScorer
 _ON = {"reasoning": True, "history": True, "retrieval": True}
 VARIANTS = {"full": _ON, "no_reasoning": _ON | {"reasoning": False}, "no_history": _ON | {"history": False},
             "no_retrieval": _ON | {"retrieval": False}}
-ONE_STEP_COLUMNS = [("exact_match", "EM"), ("token_f1", "F1"), ("parse_failure", "parse fail"),
+ONE_STEP_COLUMNS = [("exact_match", "EM"), ("exact_match_determined", "EM determined"),
+                    ("exact_match_reveal", "EM reveal"), ("reveal_fraction", "reveal share"), ("token_f1", "F1"), ("parse_failure", "parse fail"),
                     ("reward_acc", "reward acc"), ("reward_precision", "reward P"), ("reward_recall", "reward R"),
                     ("success_acc", "success acc"), ("done_acc", "done acc"), ("invalid_precision", "invalid P"),
                     ("invalid_recall", "invalid R"), ("eps_R_mean", "eps_R mean"), ("eps_R_max", "eps_R max"),

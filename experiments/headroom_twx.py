@@ -33,6 +33,7 @@ SETTINGS = (
     ("numLocations=8, includeDoors=1, numDistractorItems=0", 12),
     ("numLocations=8, includeDoors=1, numDistractorItems=0", 14),
     ("numLocations=8, includeDoors=1, numDistractorItems=4", 16),
+    ("numLocations=11, includeDoors=1, numDistractorItems=0", 14),  # the coin11 testbed (configs/reproduce_coin11.py)
     ("numLocations=11, includeDoors=1, numDistractorItems=0", 16),
     ("numLocations=11, includeDoors=1, numDistractorItems=0", 20),
 )

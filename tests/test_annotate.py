@@ -102,8 +102,8 @@ def test_twx_reasons_are_truthful_and_step_specific(twx):
     n = record.num_steps
     keys = {}
     for j, (s, reason) in enumerate(zip(record.steps, a.reasons)):
-      # A reason is a function of what the step shows (and of its place in the outcome).
-      key = (s.state, s.action, s.next_state, s.invalid, s.source, n - j if record.success else j == n - 1)
+      # A reason is a function of what the step shows (and of whether it ends the record).
+      key = (s.state, s.action, s.next_state, s.invalid, j == n - 1)
       assert keys.setdefault(key, reason) == reason
       assert f'"{s.action}"' in reason
       if s.invalid:
@@ -122,9 +122,8 @@ def test_twx_reasons_are_truthful_and_step_specific(twx):
         assert after["Feedback"][:60] in reason
       if s.state == s.next_state:
         assert "Nothing changes" in reason
-      assert ("The expert chose this action." in reason) == (s.source == "expert")
-      if record.success and j < n - 1:
-        assert f"{n - 1 - j} more step" in reason
+      # Nothing M_exp cannot know when it predicts the step: who acted, how long the recorded episode went on.
+      assert "chose this action" not in reason and "more step" not in reason
       if j < n - 1:
         assert reason.endswith("The task is not complete yet: reward 0, and the episode goes on.")
       assert ("reward 1" in reason) == s.success
@@ -218,11 +217,10 @@ def test_alfworld_reasons():
   assert "No longer in view" not in r[2]  # the apple went into the inventory, said once
   assert 'The action "take pear 5 from fridge 1" is invalid here (it is not among the admissible actions)' in r[3]
   assert "the pear 5 not in the current view" in r[3] and 'The game replies "Nothing happens."' in r[3]
-  assert "The expert chose" not in r[3] and "The expert chose this action." in r[4]
   assert "the apple 2 in the inventory" in r[4] and "You cool the apple 2 using the fridge 1." in r[4]
   assert "The inventory loses the apple 2, now here at the cabinet 1." in r[6]
   assert r[6].endswith("This completes the task: reward 1, and the episode ends in success.")
-  assert "2 more steps lead to success" in r[4] and "1 more step leads to success" in r[5]
+  assert not any("chose" in x or "lead to success" in x or "leads to success" in x for x in r)
   assert 'when the action "move apple 2 to cabinet 1" succeeds ("You move the apple 2 to the cabinet 1.")' in a.tutorial
   assert "Plan (from this run; 6 steps that change the state): go to fridge 1; open fridge 1;" in a.tutorial
   assert '"Nothing happens."' in a.tutorial
@@ -255,7 +253,6 @@ def test_miniwob_reasons():
   assert "one of the 3 admissible actions" in r[0]
   assert "is invalid here (it is not among the admissible actions)" in r[1]
   assert "There is no element [99] on the page." in r[1] and "The browser reports an error" in r[1]
-  assert "The expert chose" not in r[1]
   assert 'The page changes from "Login User Task" to "Welcome".' in r[2]
   assert "New on the page: [30] text: Welcome, cierra!." in r[2] and "Gone from the page: [16]" in r[2]
   assert r[2].endswith("This completes the task: reward 1, and the episode ends in success.")

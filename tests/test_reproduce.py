@@ -54,7 +54,14 @@ def test_reproduce_runs_every_stage_writes_the_table_and_resumes(tmp_path, capsy
     assert (track["group"], track["job_type"], track["name"]) == (out.name, job, name), stage
   dream = json.loads((out / "dreamgym_grpo" / "seed0" / "summary.json").read_text())
   assert Path(dream["checkpoint"]).is_dir()
+  # Rows trained in M_exp show its held-out fidelity (the demo's M_exp: reasoning off); the others show none.
+  fidelity = json.loads((out / "exp_model" / "summary.json").read_text())["held_out_fidelity"]["model"]
+  for method in ("DreamGym GRPO", "DreamGym-S2R GRPO"):
+    assert rows[method]["exp_model"]["eps_R_mean"] == fidelity["eps_R_mean"]
+    assert rows[method]["exp_model"]["exact_match_determined"] == fidelity["exact_match_determined"]
+  assert rows["SFT"]["exp_model"] is None and rows["GRPO (real env)"]["exp_model"] is None
   table = (out / "results.md").read_text()
+  assert "| M_exp EM | EM determined | eps_R | eps_P |" in table
   assert "| DreamGym-S2R GRPO |" in table and "DreamGym GRPO" in (out / "results.svg").read_text()
   assert table.strip() in capsys.readouterr().out
   # A rerun reuses every stage: nothing is trained or evaluated again, the table is the same.
@@ -108,7 +115,7 @@ def test_a_stage_on_another_env_is_refused():
 
 
 def test_rows_sum_the_runs_costs_per_seed(tmp_path):
-  from dreamjax.commands.reproduce import row, table
+  from dreamjax.commands.reproduce import exp_columns, row, table
 
   runs = []
   for seed, steps in ((0, [(1.5, 10.0, 30), (2.5, 12.0, 50)]), (1, [(3.0, 8.0, 40)])):
@@ -130,6 +137,15 @@ def test_rows_sum_the_runs_costs_per_seed(tmp_path):
   assert text.rstrip().endswith("| 100 | 4 | 15 | 60 |")
   sft = row("SFT", runs[:1], evals[:1], offline=200, budget={"kind": "offline", "cap": None, "spent": 200})
   assert "| SFT | - offline | 200 | 200 | 20 |" in table([sft], cfg)
+  # A row trained in an M_exp shows its held-out fidelity (train-exp's summary); the others leave the cells empty.
+  fidelity = {"exact_match": 0.4, "exact_match_determined": 0.9, "eps_R_mean": 0.05, "eps_P_tf_mean": 0.7, "n": 9}
+  dream = r | {"method": "DreamGym GRPO", "exp_model": exp_columns({"held_out_fidelity": {"model": fidelity}})}
+  text = table([sft | {"exp_model": None}, dream], cfg)
+  assert "| policy tokens | M_exp EM | EM determined | eps_R | eps_P |" in text
+  sft_line, dream_line = text.rstrip().splitlines()[-2:]
+  assert dream_line.endswith("| 60 | 0.400 | 0.900 | 0.050 | 0.700 |") and sft_line.endswith("|  |  |  |  |")
+  assert exp_columns({"held_out_fidelity": {}}) == dict.fromkeys(
+      ("exact_match", "exact_match_determined", "eps_R_mean", "eps_P_tf_mean"))
 
 
 def test_ablations_are_their_own_experiments():

@@ -14,8 +14,8 @@ evaluations) exists is reused: rerunning after a crash or with more seeds redoes
 
 The table (results.md, results.json, results.svg) has per method: offline real transitions behind it (the collected
 data: every method starts from the SFT policy trained on it, and DreamGym's M_exp learns from it too), online real transitions spent in training, synthetic transitions,
-held-out success as the mean over seeds with a 95% Wilson interval over all its episodes and the per-seed rates, and
-the training wall time (the cost comparison).
+held-out success as the mean over seeds with a 95% Wilson interval over all its episodes and the per-seed rates,
+the training wall time (the cost comparison), and for rows trained in an M_exp its held-out fidelity (`exp_columns`).
 
 Several processes (a command started on every worker of a pod): `run` first joins them with its own `distributed`
 section (set it there: the stages' `start_run` then finds the processes joined and does not read the stage sections'),
@@ -229,23 +229,29 @@ def _reproduce(cfg: ReproduceConfig, out: Path) -> dict[str, Any]:
 
   n_sft, n_exp = offline(budgets.sft), offline(episodes=cfg.exp.max_episodes)
 
+  exp_fidelity: dict[str, dict[str, Any]] = {}  # M_exp checkpoint -> its held-out fidelity (`exp_columns`)
+
   def exp_model(name: str, **fmt) -> str:
     exp = tracked(dataclasses.replace(cfg.exp, trajectories=(str(data),), out_dir=str(out / name),
                                       format=dataclasses.replace(cfg.exp.format, **fmt)), out.name, "train-exp", name)
-    return _stage(out / name, "summary.json", lambda: train_exp.run(exp))["checkpoint"]
+    summary = _stage(out / name, "summary.json", lambda: train_exp.run(exp))
+    exp_fidelity[summary["checkpoint"]] = exp_columns(summary)
+    return summary["checkpoint"]
 
   sft_cfg = tracked(dataclasses.replace(cfg.sft, data=(str(data),), data_transitions=budgets.sft,
                                        out_dir=str(out / "sft")), out.name, "train-policy", "sft")
   sft = _stage(out / "sft", "summary.json", lambda: train_policy.run(sft_cfg))["checkpoint"]
   rows: list[dict[str, Any]] = []
 
-  def add_row(method: str, runs: list[tuple[Path, dict[str, Any]]], offline_n: int, budget: dict[str, Any]) -> None:
-    """Evaluates each seed's final policy with the common settings and appends the method's row."""
+  def add_row(method: str, runs: list[tuple[Path, dict[str, Any]]], offline_n: int, budget: dict[str, Any],
+              exp: str = "") -> None:
+    """Evaluates each seed's final policy with the common settings and appends the method's row; `exp`: the M_exp
+    checkpoint its policy trained in, whose fidelity the row shows."""
     evals = []
     for folder, summary in runs:
       ev = dataclasses.replace(cfg.eval, checkpoint=summary["checkpoint"], out_dir=str(folder / "eval"))
       evals.append(_stage(folder / "eval", "eval.json", lambda ev=ev: eval_run.run(ev)))
-    rows.append(row(method, runs, evals, offline_n, budget))
+    rows.append(row(method, runs, evals, offline_n, budget) | {"exp_model": exp_fidelity.get(exp)})
 
   add_row("SFT", [(out / "sft", {"checkpoint": sft, "seconds": _seconds(out / "sft")})], n_sft,
           {"kind": "offline", "cap": budgets.sft or None, "spent": n_sft})
@@ -291,18 +297,18 @@ def _reproduce(cfg: ReproduceConfig, out: Path) -> dict[str, Any]:
     dream_runs = {}
     for alg in cfg.algorithms:
       dream_runs[alg] = seeds(f"dreamgym_{alg}", lambda s, f, alg=alg: dream(alg, s, f, exp), dreamgym.run)
-      add_row(f"DreamGym {alg.upper()}", dream_runs[alg], dream_offline, online(0))
+      add_row(f"DreamGym {alg.upper()}", dream_runs[alg], dream_offline, online(0), exp)
     if budgets.s2r:
       for alg in cfg.algorithms:
         starts = {s: summary["checkpoint"] for s, (_, summary) in zip(cfg.seeds, dream_runs[alg])}
         add_row(f"DreamGym-S2R {alg.upper()}",
                 seeds(f"s2r_{alg}", lambda s, f, alg=alg, starts=starts: real_rl(alg, starts[s], s, f, budgets.s2r),
-                      rl.run), dream_offline, online(budgets.s2r))  # S2R rows exist only with a budget
+                      rl.run), dream_offline, online(budgets.s2r), exp)  # S2R rows exist only with a budget
     for ablation in cfg.ablations:
       exp_ab, kw = ablated(cfg, ablation, exp, exp_model)
       add_row(ablation_method(ablation),
               seeds(f"dreamgym_grpo_{ablation}", lambda s, f, kw=kw, e=exp_ab: dream("grpo", s, f, e, **kw),
-                    dreamgym.run), dream_offline, online(0))
+                    dreamgym.run), dream_offline, online(0), exp_ab)
 
   result = {"env": cfg.eval.env, "backbone": backbone_name(cfg), "rows": rows, "seeds": list(cfg.seeds),
             "offline_transitions": offline(), "budgets": to_json(budgets), "eval": to_json(cfg.eval.tasks),
@@ -329,6 +335,14 @@ def ablated(cfg: ReproduceConfig, ablation: str, exp: str, exp_model: Callable[.
   if ablation == "no_task_generation":  # curriculum selection on, M_task off
     return exp, {"curriculum": dataclasses.replace(curriculum, generate_every=0)}
   return exp, {"curriculum": dataclasses.replace(curriculum, enabled=False)}  # no_curriculum: uniform seed tasks
+
+
+def exp_columns(summary: dict[str, Any]) -> dict[str, Any]:
+  """What the table shows of an M_exp (its train-exp summary's held-out fidelity): one-step exact match, also on the
+  transitions its prompt determines, and the paper's error terms eps_R (mean |r - r_hat|) and eps_P (the
+  teacher-forced TV bound, mean), as dreamjax.experience.fidelity defines them. Missing values are None."""
+  m = (summary.get("held_out_fidelity") or {}).get("model") or {}
+  return {k: m.get(k) for k in ("exact_match", "exact_match_determined", "eps_R_mean", "eps_P_tf_mean")}
 
 
 def backbone_name(cfg: ReproduceConfig) -> str:
@@ -389,11 +403,15 @@ def table(rows: list[dict[str, Any]], cfg: ReproduceConfig) -> str:
           f"DreamGym M_exp's training data); online: real transitions spent in training (per seed). Cost per seed: "
           f"training wall time, of it the seconds inside the environment (the real env, or M_exp and retrieval for "
           f"DreamGym) and in the policy update, and the tokens the policy sampled; S2R rows count their real-env "
-          f"phase only (add the DreamGym row above them).")
+          f"phase only (add the DreamGym row above them). M_exp (rows trained in one): its held-out one-step exact "
+          f"match, on the transitions its prompt determines (dreamjax.experience.fidelity), eps_R and eps_P.")
   sampled = any(r["sampled_success_rate"] is not None for r in rows)
+  exp = any(r.get("exp_model") for r in rows)
   lines = [head, "", "| method | budget | spent | offline real | online real | synthetic | success [95% CI] | "
-           "per seed |" + (" sampled |" if sampled else "") + " seconds | env s | update s | policy tokens |",
-           "|---|---|---|---|---|---|---|---|" + ("---|" if sampled else "") + "---|---|---|---|"]
+           "per seed |" + (" sampled |" if sampled else "") + " seconds | env s | update s | policy tokens |"
+           + (" M_exp EM | EM determined | eps_R | eps_P |" if exp else ""),
+           "|---|---|---|---|---|---|---|---|" + ("---|" if sampled else "") + "---|---|---|---|"
+           + ("---|---|---|---|" if exp else "")]
   for r in rows:
     cells = [r["method"], budget_text(r["budget"]), str(r["budget"]["spent"]), str(r["offline_transitions"]),
              str(r["real_transitions"]), str(r["synthetic_transitions"]),
@@ -403,6 +421,10 @@ def table(rows: list[dict[str, Any]], cfg: ReproduceConfig) -> str:
       cells.append("" if r["sampled_success_rate"] is None else f"{r['sampled_success_rate']:.3f}")
     cells.append("" if r["seconds"] is None else f"{r['seconds']:.0f}")
     cells += [f"{r['env_s']:.0f}", f"{r['update_s']:.0f}", f"{r['policy_tokens']:.0f}"]
+    if exp:
+      m = r.get("exp_model") or {}
+      cells += ["" if m.get(k) is None else f"{m[k]:.3f}"
+                for k in ("exact_match", "exact_match_determined", "eps_R_mean", "eps_P_tf_mean")]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 

@@ -61,6 +61,20 @@ def parse_exits(state: str) -> dict[str, tuple[str | None, bool]]:
   return out
 
 
+def reveals(shown: Sequence[str], next_state: str) -> bool:
+  """Whether `next_state` shows part of the map that none of the `shown` states (what a model was given: the history
+  and the current state) shows: a room none of them is in (its objects and exits) or a room none of them names
+  (behind a door just opened, or beyond a room just entered). What it holds follows from the game's hidden map, not
+  from anything shown, so no model predicts such a state exactly from its prompt; `dreamjax.experience.fidelity`
+  scores these transitions apart from those the prompt determines."""
+  visited, named = set(), set()
+  for s in shown:
+    visited.add(state_field(s, "Location"))
+    named |= {state_field(s, "Location")} | {room for room, _ in parse_exits(s).values() if room}
+  rooms = {room for room, _ in parse_exits(next_state).values() if room}
+  return state_field(next_state, "Location") not in visited or not rooms <= named
+
+
 def target_of(instruction: str) -> str | None:
   """The object a "find the X ... take it" instruction asks for ("coin"), None for other instructions."""
   m = _TARGET.search(" ".join(instruction.split()))

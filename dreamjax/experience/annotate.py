@@ -7,9 +7,12 @@ the `Annotator` protocol: a teacher LLM behind an OpenAI-compatible endpoint (te
 says, each part only when the record shows it (so every sentence is true of this step):
 - whether the action was admissible or invalid (the step records `admissible` and `invalid`);
 - the preconditions visible in the state and what changed (per-env state readers in annotate_rules.py);
-- progress: for an expert step, that it is the expert's choice; in a successful episode, how many steps remain;
 - the outcome: reward, and on the last step why the episode ended (success, step limit, invalid action, the env's
   failure condition, or a recording cut off before the end).
+A reason says nothing M_exp could not know when it predicts the step: not who chose the action (in DreamGym the
+policy does, whatever policy the record came from) and not how many steps the recorded episode still took (its
+future). Such sentences are true of the record but cannot be inferred from the prompt, so a model trained to write
+them learns to guess, and its guesses sit between the prompt and the prediction that should copy from it.
 Its tutorial gives the task, the overall plan from a successful run (this one, or a reference run of the same task),
 how success looks and how episodes fail.
 
@@ -246,15 +249,6 @@ class RuleAnnotator:
     if s.state == s.next_state:
       parts.append("Nothing changes: the next state is the same as this one.")
     parts += self.rules.effects(s.state, s.next_state) or line_diff(s.state, s.next_state)
-    if s.source == "expert":
-      parts.append("The expert chose this action.")
-    elif s.source == "explorer":
-      parts.append("The exploring expert, which knows only what it has observed, chose this action.")
-    if record.success and j < record.num_steps - 1:
-      left = record.num_steps - 1 - j
-      useful = "" if s.state != s.next_state else " (this one made no progress)"
-      parts.append(f"{left} more step{'s' if left > 1 else ''} lead{'s' if left == 1 else ''} to success"
-                   f"{useful}.")
     parts.append(_outcome(record, j, s, end, self.step_limit))
     return " ".join(parts)
 

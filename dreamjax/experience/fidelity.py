@@ -45,8 +45,9 @@ import numpy as np
 
 from dreamjax.parallel.distributed import to_host
 from dreamjax.data.records import TrajectoryRecord, Transition, transitions
+from dreamjax.envs.twx_explorer import reveals
 from dreamjax.experience.annotate import Annotation
-from dreamjax.experience.format import ExpPrediction, action_lists, parse_output, transition_target
+from dreamjax.experience.format import ExpFormatConfig, ExpPrediction, action_lists, parse_output, transition_target
 from dreamjax.experience.sft_data import NEXT_STATE, REASONING, REGION_NAMES, ExampleBuilder, ExpExample, retrieve
 from dreamjax.models import ModelConfig
 from dreamjax.models.params import sampling_copy
@@ -161,14 +162,30 @@ def _set_f1(predicted: Sequence[str], true: Sequence[str]) -> float:
   return 2 * common / (len(p) + len(t))
 
 
+def reveal_mask(truths: Sequence[Transition], fmt: ExpFormatConfig) -> list[bool] | None:
+  """Per transition, whether its real next state reveals what the prompt's states (the current one and the history
+  `fmt` shows) do not (`dreamjax.envs.twx_explorer.reveals`: a room not seen yet); None unless every transition is TextWorld-Express's, the
+  only env with such a reader. The history counted is the last `fmt.max_history` steps, an upper bound on what a
+  prompt cut to its length budget shows."""
+  if not truths or any(t.task.env != "textworld_express" for t in truths):
+    return None
+  depth = fmt.max_history if fmt.history else 0
+  return [reveals([s for s, _ in (t.history[-depth:] if depth else ())] + [t.state], t.next_state)
+          for t in truths]
+
+
 def score(truths: Sequence[Transition], preds: Sequence[ExpPrediction],
-          admissible: Sequence[Sequence[str] | None] | None = None) -> dict[str, Any]:
+          admissible: Sequence[Sequence[str] | None] | None = None,
+          reveal: Sequence[bool] | None = None) -> dict[str, Any]:
   """Fidelity metrics of predictions against real transitions (see the module docstring). `admissible`: the actions
-  admissible after each transition (None where not recorded), to score the predicted lists against."""
+  admissible after each transition (None where not recorded), to score the predicted lists against. `reveal`
+  (`reveal_mask`): exact match is also given apart on the transitions whose next state the prompt determines and on
+  those that reveal unseen parts of the world, with the latter's share."""
   if len(truths) != len(preds):
     raise ValueError(f"score: {len(truths)} transitions but {len(preds)} predictions")
-  if admissible is not None and len(admissible) != len(truths):
-    raise ValueError(f"score: {len(truths)} transitions but {len(admissible)} admissible lists")
+  for name, given in (("admissible lists", admissible), ("reveal flags", reveal)):
+    if given is not None and len(given) != len(truths):
+      raise ValueError(f"score: {len(truths)} transitions but {len(given)} {name}")
   n = len(truths)
   if n == 0:
     return {"n": 0}
@@ -188,6 +205,11 @@ def score(truths: Sequence[Transition], preds: Sequence[ExpPrediction],
       pred = np.array([bool(getattr(p, name)) for p in preds])
       true = np.array([bool(getattr(t, name)) for t in truths])
     out |= _flag_metrics(name, pred, true)
+  if reveal is not None:
+    hidden = np.array(reveal, bool)
+    out["reveal_fraction"] = float(hidden.mean())
+    out["exact_match_determined"] = float(exact[~hidden].mean()) if (~hidden).any() else None
+    out["exact_match_reveal"] = float(exact[hidden].mean()) if hidden.any() else None
   err = np.abs(np.array([t.reward for t in truths]) - np.array([p.reward for p in preds]))
   out["eps_R_mean"], out["eps_R_max"] = float(err.mean()), float(err.max())
   if admissible is not None:
@@ -249,8 +271,9 @@ def one_step(predictor: Predictor, examples: Sequence[ExpExample], *, scorer: Lo
   truths = [e.transition for e in examples]
   prompts = [e.prompt for e in examples]
   texts, preds = predictor.predict(prompts)
-  model = score(truths, preds, [e.next_admissible for e in examples] if predictor.fmt.actions else None)
-  copy = score(truths, [copy_prediction(t) for t in truths])
+  reveal = reveal_mask(truths, predictor.fmt)
+  model = score(truths, preds, [e.next_admissible for e in examples] if predictor.fmt.actions else None, reveal)
+  copy = score(truths, [copy_prediction(t) for t in truths], reveal=reveal)
   if examples:
     tv_copy = np.array([t.next_state != t.state for t in truths], np.float64)
     copy["eps_P_mean"], copy["eps_P_max"] = float(tv_copy.mean()), float(tv_copy.max())
@@ -320,10 +343,11 @@ def open_loop(predictor: Predictor, records: Sequence[TrajectoryRecord], annotat
   copies = [[ExpPrediction(e[0].state, 0.0, False, False, "", True, "", False) for _ in e] for e in episodes]
   result: dict[str, Any] = {"horizon": horizon}
   flat_lists = [following for e in lists for _, following in e] if fmt.actions else None
+  flat_t = [t for e in episodes for t in e]
+  reveal = reveal_mask(flat_t, fmt)
   for name, ps in (("model", preds), ("copy", copies)):
-    flat_t = [t for e in episodes for t in e]
     flat_p = [p for e in ps for p in e]
-    m = score(flat_t, flat_p, flat_lists if name == "model" else None)
+    m = score(flat_t, flat_p, flat_lists if name == "model" else None, reveal)
     m["exact_by_step"] = _horizon_curve(episodes, ps, horizon)
     m["episode_exact"] = float(np.mean([all(p.next_state == t.next_state for t, p in zip(e, q))
                                         for e, q in zip(episodes, ps)])) if episodes else None

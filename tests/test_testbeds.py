@@ -1,0 +1,88 @@
+"""The coin11 testbed (configs/reproduce_coin11.py): its stages all on the 11-room door games, learning from
+non-privileged data only; and the fidelity split it needs, transitions that reveal unseen rooms scored apart."""
+
+import dataclasses
+
+import pytest
+
+from dreamjax.config import load_config
+from dreamjax.data.records import Transition
+from dreamjax.envs.base import Task
+from dreamjax.envs.twx_explorer import reveals
+from dreamjax.experience.fidelity import reveal_mask, score
+from dreamjax.experience.format import ExpFormatConfig, ExpPrediction
+
+COIN11 = "numLocations=11, includeDoors=1, numDistractorItems=0"
+
+
+@pytest.mark.parametrize("variant", ["", ":tiny"])
+def test_coin11_points_every_stage_at_the_door_games(variant):
+  cfg = load_config(f"configs/reproduce_coin11.py{variant}")
+  assert {cfg.collect.env, cfg.sft.env, cfg.dpo.env, cfg.real.env, cfg.dreamgym.rl.env, cfg.eval.env} == {
+      "textworld_express"}
+  limits = {cfg.collect.env_kwargs, cfg.sft.env_kwargs, cfg.dpo.env_kwargs, cfg.real.env_kwargs,
+            cfg.dreamgym.rl.env_kwargs, cfg.eval.env_kwargs}
+  assert limits == {("step_limit=14",)}
+  assert {c.rollout.max_turns for c in (cfg.sft, cfg.dpo, cfg.real, cfg.dreamgym.rl, cfg.eval)} == {14}
+  assert cfg.collect.game_params == cfg.real.train_tasks.game_params == cfg.eval.tasks.game_params == COIN11
+  assert cfg.sft.eval.game_params == cfg.dpo.eval.game_params == cfg.dreamgym.rl.eval_tasks.game_params == COIN11
+  # Training on the train fold, every evaluation on held-out dev games.
+  assert cfg.collect.split == cfg.real.train_tasks.split == "train"
+  assert cfg.eval.tasks.split == cfg.real.eval_tasks.split == cfg.sft.eval.split == "dev"
+  # Non-privileged offline data: the gold-path expert is not among the collectors, the demonstrations are the
+  # explorer's and DPO prefers them to random and noisy runs.
+  policies = [p.split(":")[0] for p in cfg.collect.policies]
+  assert "expert" not in policies and "explorer" in policies
+  assert cfg.sft.rows.experts == cfg.sft.rows.step_sources == ("explorer",)
+  assert cfg.dpo.pairs.chosen_policies == ("explorer",)
+  # M_exp reasons, and DreamGym uses it that way; the ablation of reasoning is a row.
+  assert cfg.exp.format.reasoning and cfg.dreamgym.reasoning and "no_reasoning" in cfg.ablations
+  # The paper's budget ratios: SFT 1 : DPO 2 : real-env RL 4 (offline to online), S2R 1/16 of real-env RL.
+  b = cfg.budgets
+  assert (b.dpo, b.real_rl, b.s2r * 16) == (2 * b.sft, 4 * b.sft, b.real_rl)
+  assert cfg.real.agent == cfg.sft.agent == cfg.dpo.agent == cfg.dreamgym.rl.agent == cfg.eval.agent
+  if not variant:
+    assert cfg.seeds == (0, 1, 2) and cfg.algorithms == ("grpo", "ppo")
+    assert len(cfg.ablations) == 4 and cfg.eval.tasks.count == 200
+
+
+def _state(location: str, exits: str) -> str:
+  return f"Location: {location}\nYou see: stove\nExits: {exits}\nInventory (max 2): nothing"
+
+
+def test_reveals_tells_unseen_rooms_from_what_the_prompt_shows():
+  kitchen = _state("kitchen", "north (closed wood door), east to pantry")
+  opened = _state("kitchen", "north to bedroom (open wood door), east to pantry")
+  pantry = _state("pantry", "west to kitchen")
+  assert reveals([kitchen], opened)  # the door opens on a room no state named
+  assert not reveals([kitchen], kitchen)
+  assert reveals([kitchen], pantry)  # named, never entered: its objects and exits are unknown
+  assert not reveals([pantry, kitchen], pantry)  # back to a room the history shows
+  assert not reveals([opened], kitchen)  # closing the door hides a room, reveals nothing
+  assert reveals([_state("bedroom", "south to kitchen (open wood door)")], _state("kitchen", "south to corridor"))
+
+
+def _t(history, state, next_state):
+  task = Task.make("textworld_express", "coin/train/0")
+  return Transition("e", len(history), task, "", state, "a", next_state, 0.0, False, False, False,
+                    history=tuple((s, "a") for s in history))
+
+
+def test_exact_match_is_split_by_what_the_prompt_determines():
+  kitchen, pantry = _state("kitchen", "east to pantry"), _state("pantry", "west to kitchen")
+  truths = [_t([pantry], kitchen, pantry), _t([], kitchen, pantry), _t([pantry, kitchen], kitchen, pantry)]
+  # The history shown is the last max_history steps: the third's pantry (its step 1) is out of view at 1.
+  assert reveal_mask(truths, ExpFormatConfig(max_history=2)) == [False, True, False]
+  assert reveal_mask(truths, ExpFormatConfig(max_history=1)) == [False, True, True]
+  assert reveal_mask(truths, ExpFormatConfig(history=False)) == [True, True, True]
+  other = dataclasses.replace(truths[0], task=Task.make("alfworld", "x"))
+  assert reveal_mask([other], ExpFormatConfig()) is None  # no reader of this env's states
+  right, wrong = ExpPrediction(pantry, 0.0, False, False, "", True, ""), ExpPrediction(kitchen, 0.0, False, False, "",
+                                                                                      True, "")
+  m = score(truths, [right, wrong, wrong], reveal=[False, True, False])
+  assert m["exact_match"] == pytest.approx(1 / 3) and m["reveal_fraction"] == pytest.approx(1 / 3)
+  assert (m["exact_match_determined"], m["exact_match_reveal"]) == (0.5, 0.0)
+  assert score(truths[:1], [right], reveal=[False])["exact_match_reveal"] is None
+  assert "reveal_fraction" not in score(truths, [right] * 3)
+  with pytest.raises(ValueError, match="3 transitions but 1 reveal flags"):
+    score(truths, [right] * 3, reveal=[False])
