@@ -13,7 +13,8 @@ not used here.
 Run (CPU, hours: three seeds of every row; rerunning resumes, finished stages are reused):
        dreamjax reproduce --config configs/reproduce_coin11.py
 One seed, GRPO rows only:   --set seeds=0 --set algorithms=grpo
-Tiny (the same stages at test size, what tests/test_testbeds.py checks): configs/reproduce_coin11.py:tiny
+Tiny (every stage at test size; it checks that they fit together, not what they measure):
+       dreamjax reproduce --config configs/reproduce_coin11.py:tiny
 Results: <out_dir>/results.md, results.json, results.svg.
 """
 
