@@ -1,9 +1,10 @@
-"""The coin11 testbed: TextWorld-Express coin games on 11-room maps behind doors, where learning is visible on a 2-core
-CPU machine (docs/testbeds.md). Every stage of the paper's comparison on three seeds, then one table.
+"""The coin11 testbed: TextWorld-Express coin games on 11-room maps behind doors, chosen so that learning can show on a
+2-core CPU machine (docs/testbeds.md). Every stage of the paper's comparison on three seeds, then one table.
 
 Why these games: on the two-room games of configs/reproduce_twx.py:tiny a uniform random policy already succeeds
 0.63, so no row can show learning. Here the coin sits in one of 11 rooms, most behind closed doors, and the episode
-ends after 14 steps: random play succeeds 0.10 on held-out games, the exploring expert 0.72 (experiments/headroom_twx.py).
+ends after 14 steps: random play succeeds 0.10 on held-out games, the exploring expert 0.72
+(experiments/headroom_twx.py). With the tiny policy below, SFT does not learn to explore yet (0.10; docs/testbeds.md).
 
 Offline data comes from policies that see only what the agent sees: the exploring expert (`dreamjax.envs.twx_explorer`:
 opens doors, walks to unvisited rooms, takes the coin on sight), the same with 30% random steps, and random play.

@@ -10,8 +10,9 @@ about the dynamics would say):
   the predicted admissible actions shown as the current ones, as SyntheticEnv does); step h is compared with the real
   state after h actions. Copy baseline: the first state forever.
 
-Metrics (`score`): next-state exact match and whitespace-token F1; accuracy, precision and recall of the reward
-(positive: reward 1), success, done and invalid flags (precision is None when nothing is predicted positive, recall
+Metrics (`score`): next-state exact match (on TextWorld-Express also apart on the transitions whose next state the
+prompt determines and on those that reveal a room it does not show, `reveal_mask`) and whitespace-token F1;
+accuracy, precision and recall of the reward (positive: reward 1), success, done and invalid flags (precision is None when nothing is predicted positive, recall
 when nothing is); the parse-failure rate; with the format's actions block, `actions_exact` (the predicted list of
 admissible actions is the recorded one, order included) and `actions_f1` (F1 of the two lists as sets), over the
 transitions whose next list is recorded; and the two error terms of the paper's bound (Appendix B), which it defines
@@ -164,9 +165,9 @@ def _set_f1(predicted: Sequence[str], true: Sequence[str]) -> float:
 
 def reveal_mask(truths: Sequence[Transition], fmt: ExpFormatConfig) -> list[bool] | None:
   """Per transition, whether its real next state reveals what the prompt's states (the current one and the history
-  `fmt` shows) do not (`dreamjax.envs.twx_explorer.reveals`: a room not seen yet); None unless every transition is TextWorld-Express's, the
-  only env with such a reader. The history counted is the last `fmt.max_history` steps, an upper bound on what a
-  prompt cut to its length budget shows."""
+  `fmt` shows) do not (`dreamjax.envs.twx_explorer.reveals`: a room not seen yet); None unless every transition is
+  TextWorld-Express's, the only env with such a reader. The history counted is the last `fmt.max_history` steps, an
+  upper bound on what a prompt cut to its length budget shows."""
   if not truths or any(t.task.env != "textworld_express" for t in truths):
     return None
   depth = fmt.max_history if fmt.history else 0
