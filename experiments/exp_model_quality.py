@@ -44,7 +44,8 @@ _ON = {"reasoning": True, "history": True, "retrieval": True}
 VARIANTS = {"full": _ON, "no_reasoning": _ON | {"reasoning": False}, "no_history": _ON | {"history": False},
             "no_retrieval": _ON | {"retrieval": False}}
 ONE_STEP_COLUMNS = [("exact_match", "EM"), ("exact_match_determined", "EM determined"),
-                    ("exact_match_reveal", "EM reveal"), ("reveal_fraction", "reveal share"), ("token_f1", "F1"), ("parse_failure", "parse fail"),
+                    ("exact_match_reveal", "EM reveal"), ("reveal_fraction", "reveal share"), ("token_f1", "F1"),
+                    ("parse_failure", "parse fail"),
                     ("reward_acc", "reward acc"), ("reward_precision", "reward P"), ("reward_recall", "reward R"),
                     ("success_acc", "success acc"), ("done_acc", "done acc"), ("invalid_precision", "invalid P"),
                     ("invalid_recall", "invalid R"), ("eps_R_mean", "eps_R mean"), ("eps_R_max", "eps_R max"),

@@ -337,12 +337,15 @@ def ablated(cfg: ReproduceConfig, ablation: str, exp: str, exp_model: Callable[.
   return exp, {"curriculum": dataclasses.replace(curriculum, enabled=False)}  # no_curriculum: uniform seed tasks
 
 
+EXP_COLUMNS = ("exact_match", "exact_match_determined", "eps_R_mean", "eps_P_tf_mean")  # `exp_columns`
+
+
 def exp_columns(summary: dict[str, Any]) -> dict[str, Any]:
   """What the table shows of an M_exp (its train-exp summary's held-out fidelity): one-step exact match, also on the
   transitions its prompt determines, and the paper's error terms eps_R (mean |r - r_hat|) and eps_P (the
   teacher-forced TV bound, mean), as dreamjax.experience.fidelity defines them. Missing values are None."""
   m = (summary.get("held_out_fidelity") or {}).get("model") or {}
-  return {k: m.get(k) for k in ("exact_match", "exact_match_determined", "eps_R_mean", "eps_P_tf_mean")}
+  return {k: m.get(k) for k in EXP_COLUMNS}
 
 
 def backbone_name(cfg: ReproduceConfig) -> str:
@@ -423,8 +426,7 @@ def table(rows: list[dict[str, Any]], cfg: ReproduceConfig) -> str:
     cells += [f"{r['env_s']:.0f}", f"{r['update_s']:.0f}", f"{r['policy_tokens']:.0f}"]
     if exp:
       m = r.get("exp_model") or {}
-      cells += ["" if m.get(k) is None else f"{m[k]:.3f}"
-                for k in ("exact_match", "exact_match_determined", "eps_R_mean", "eps_P_tf_mean")]
+      cells += ["" if m.get(k) is None else f"{m[k]:.3f}" for k in EXP_COLUMNS]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 

@@ -67,12 +67,12 @@ def reveals(shown: Sequence[str], next_state: str) -> bool:
   (behind a door just opened, or beyond a room just entered). What it holds follows from the game's hidden map, not
   from anything shown, so no model predicts such a state exactly from its prompt; `dreamjax.experience.fidelity`
   scores these transitions apart from those the prompt determines."""
-  visited, named = set(), set()
-  for s in shown:
-    visited.add(state_field(s, "Location"))
-    named |= {state_field(s, "Location")} | {room for room, _ in parse_exits(s).values() if room}
-  rooms = {room for room, _ in parse_exits(next_state).values() if room}
-  return state_field(next_state, "Location") not in visited or not rooms <= named
+  def rooms(state: str) -> set[str]:
+    return {room for room, _ in parse_exits(state).values() if room}
+
+  visited = {state_field(s, "Location") for s in shown}
+  named = visited.union(*map(rooms, shown))
+  return state_field(next_state, "Location") not in visited or not rooms(next_state) <= named
 
 
 def target_of(instruction: str) -> str | None:
