@@ -15,8 +15,8 @@ prompt determines and on those that reveal a room it does not show, `reveal_mask
 accuracy, precision and recall of the reward (positive: reward 1), success, done and invalid flags (precision is None
 when nothing is predicted positive, recall when nothing is); the parse-failure rate; with the format's actions block,
 `actions_exact` (the predicted list of admissible actions is the recorded one, order included) and `actions_f1` (F1 of
-the two lists as sets), over the transitions whose next list is recorded; and the two error terms of the paper's bound (Appendix B), which it defines
-as suprema and never measures:
+the two lists as sets), over the transitions whose next list is recorded; and the two error terms of the paper's
+bound (Appendix B), which it defines as suprema and never measures:
 - eps_R = sup |R - R_hat|: reported as the mean and the max of |r - r_hat| over held-out transitions (greedy r_hat; a
   failed parse predicts 0). The max over a sample is all a finite set can give of the sup.
 - eps_P = sup TV(P(.|s, a), P_hat(.|s, a)). Write q(s') for the model's probability of writing next state s'. For a
