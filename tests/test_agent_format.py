@@ -79,12 +79,31 @@ def test_history_fits_its_token_budget_dropping_oldest_first(tok):
     fmt = AgentFormat(history_turns=6, history_token_budget=budget)
     kept = fit_history(tok, fmt, history, 8)
     assert kept == tuple(history[len(history) - len(kept):])  # a suffix: the most recent pairs
-    assert len(tok.encode(render_history(kept, 8))) <= budget
+    assert len(tok.encode(render_history(fmt, kept, 8))) <= budget
     if len(kept) < 6:  # one more (older) pair would not fit
-      assert len(tok.encode(render_history(history[len(history) - len(kept) - 1:], 8))) > budget
+      assert len(tok.encode(render_history(fmt, history[len(history) - len(kept) - 1:], 8))) > budget
   assert len(fit_history(tok, AgentFormat(history_turns=6, history_token_budget=10_000), history, 8)) == 6
   assert fit_history(tok, AgentFormat(history_turns=0), history, 8) == ()
-  assert render_history(history[-2:], 8).splitlines()[0].startswith("Step 7 state: Location: room 6; You see: ")
+  assert render_history(AgentFormat(), history[-2:], 8).splitlines()[0].startswith(
+      "Step 7 state: Location: room 6; You see: ")
+
+
+def test_history_fields_keep_only_those_lines_of_history_states(tok):
+  history = [(STATE.replace("Inventory:", "Inventory (max 5):") + "\nFeedback: The door is now open.", "move north")]
+  fmt = AgentFormat(history_fields=("Location", "Inventory"))
+  assert render_history(fmt, history, 1) == ("Step 1 state: Location: kitchen; Inventory (max 5): nothing "
+                                             "| action: move north")
+  text = user_text(fmt, INSTRUCTION, 1, history, STATE, ADMISSIBLE)
+  assert text.count("You see: ") == 1 and "Current state:\n" + STATE in text  # the current state stays whole
+  # A whole episode fits a budget that holds only a few whole states.
+  long = _history(12)
+  compact = fit_history(tok, AgentFormat(history_turns=12, history_token_budget=300, history_fields=("Location",)),
+                        long, 12)
+  assert len(compact) == 12 and len(fit_history(tok, AgentFormat(history_turns=12, history_token_budget=300),
+                                                long, 12)) < 8
+  for bad in ("Location", ("Location", ""), (3,)):
+    with pytest.raises(ValueError, match="history_fields"):
+      AgentFormat(history_fields=bad)
 
 
 def test_admissible_actions_are_capped_deterministically():

@@ -33,7 +33,8 @@ def test_coin11_points_every_stage_at_the_door_games(variant):
   # explorer's and DPO prefers them to random and noisy runs.
   policies = [p.split(":")[0] for p in cfg.collect.policies]
   assert "expert" not in policies and "explorer" in policies
-  assert cfg.sft.rows.experts == cfg.sft.rows.step_sources == ("explorer",)
+  assert cfg.sft.rows.step_sources == ("explorer",) and set(cfg.sft.rows.experts) == {"explorer", "explorer-eps0.3"}
+  assert cfg.collect.policies[0].startswith("explorer-eps0.3:")  # inside the SFT budget, which reads the file in order
   assert cfg.dpo.pairs.chosen_policies == ("explorer",)
   # M_exp reasons, and DreamGym uses it that way; the ablation of reasoning is a row.
   assert cfg.exp.format.reasoning and cfg.dreamgym.reasoning and "no_reasoning" in cfg.ablations

@@ -9,7 +9,10 @@ OBSERVATION: it changes every turn, and no loss ever selects it.
 Prompt rendering, in order:
 - history: the last `history_turns` (state, action) pairs, each on one line with the state's lines joined by "; ";
   then the oldest pairs are dropped until the history block, tokenised alone, fits `history_token_budget` tokens.
-  Steps are numbered from 1, so the model sees which steps were dropped.
+  Steps are numbered from 1, so the model sees which steps were dropped. With `history_fields` set, a history state
+  keeps only its "Field: value" lines of those fields (TWX's "Location", say): a step then costs about ten tokens
+  instead of about ninety, so a small prompt holds the whole episode (which rooms the agent has been in) instead of
+  its last two steps. The current state is always shown whole.
 - admissible actions: all of them when there are at most `max_admissible`, else a deterministic pseudo-random subset
   (ranked by a hash of step, state and action, shown in the env's order). A hash rather than the first k keeps the
   subset from always missing the same actions (TWX sorts its actions alphabetically) while a rerun sees the same
@@ -54,11 +57,14 @@ class AgentFormat:
   history_token_budget: int = 512  # the rendered history block is cut, oldest first, to fit this many tokens
   max_admissible: int = 50  # admissible actions shown at most (0: none)
   think: bool = True  # ask for a <think> block before the action
+  history_fields: tuple[str, ...] = ()  # history states keep only these "Field: value" lines (empty: whole states)
 
   def __post_init__(self):
     for name in ("history_turns", "history_token_budget", "max_admissible"):
       if getattr(self, name) < 0:
         raise ValueError(f"AgentFormat.{name} must be >= 0, got {getattr(self, name)}")
+    if isinstance(self.history_fields, str) or not all(isinstance(f, str) and f.strip() for f in self.history_fields):
+      raise ValueError(f"AgentFormat.history_fields must be a tuple of field names, got {self.history_fields!r}")
 
   def system_text(self) -> str:
     if self.think:
@@ -77,14 +83,18 @@ class ParsedAnswer:
   error: str  # why the answer did not parse; "" exactly when `action` is not None
 
 
-def _compact(text: str) -> str:
-  return "; ".join(" ".join(line.split()) for line in text.splitlines() if line.strip())
+def _compact(text: str, fields: tuple[str, ...]) -> str:
+  lines = [" ".join(line.split()) for line in text.splitlines() if line.strip()]
+  if fields:  # "Inventory (max 5): ..." is the field "Inventory"
+    lines = [line for line in lines if line.partition(": ")[0].split(" (")[0] in fields]
+  return "; ".join(lines)
 
 
-def render_history(history: Sequence[tuple[str, str]], step: int) -> str:
+def render_history(fmt: AgentFormat, history: Sequence[tuple[str, str]], step: int) -> str:
   """The history block: one line per (state, action) pair, numbered so the last pair is step `step`."""
   first = step - len(history) + 1
-  return "\n".join(f"Step {first + i} state: {_compact(s)} | action: {a}" for i, (s, a) in enumerate(history))
+  return "\n".join(f"Step {first + i} state: {_compact(s, fmt.history_fields)} | action: {a}"
+                   for i, (s, a) in enumerate(history))
 
 
 def fit_history(tokenizer: Tokenizer, fmt: AgentFormat, history: Sequence[tuple[str, str]],
@@ -92,7 +102,7 @@ def fit_history(tokenizer: Tokenizer, fmt: AgentFormat, history: Sequence[tuple[
   """The most recent pairs of `history` that `fmt` keeps: at most `history_turns`, within `history_token_budget`."""
   kept = tuple(history[max(0, len(history) - fmt.history_turns):]) if fmt.history_turns else ()
   # Usually one encode: the budget is set so the recent turns fit, and dropping is the exception.
-  while kept and len(tokenizer.encode(render_history(kept, step))) > fmt.history_token_budget:
+  while kept and len(tokenizer.encode(render_history(fmt, kept, step))) > fmt.history_token_budget:
     kept = kept[1:]
   return kept
 
@@ -118,7 +128,7 @@ def user_text(fmt: AgentFormat, instruction: str, step: int, history: Sequence[t
   """The user message for already-fitted `history` (see `fit_history`)."""
   lines = [f"Task: {' '.join(instruction.split())}", f"Steps taken: {step}"]
   if history:
-    lines += ["History (oldest first):", render_history(history, step)]
+    lines += ["History (oldest first):", render_history(fmt, history, step)]
   else:
     lines.append("History: none")
   lines += ["Current state:", state.strip()]
