@@ -4,7 +4,7 @@
 Why these games: on the two-room games of configs/reproduce_twx.py:tiny a uniform random policy already succeeds
 0.63, so no row can show learning. Here the coin sits in one of 11 rooms, most behind closed doors, and the episode
 ends after 14 steps: random play succeeds 0.10 on held-out games, the exploring expert 0.72
-(experiments/headroom_twx.py). The tiny policy below, shown the rooms it has been in, reaches 0.26 after SFT;
+(experiments/headroom_twx.py). The tiny policy below, shown the rooms it has been in, reaches 0.28 after SFT;
 real-env GRPO does not yet improve on it (docs/testbeds.md).
 
 Offline data comes from policies that see only what the agent sees: the exploring expert (`dreamjax.envs.twx_explorer`:
