@@ -42,6 +42,8 @@ def test_coin11_points_every_stage_at_the_door_games(variant):
   b = cfg.budgets
   assert (b.dpo, b.real_rl, b.s2r * 16) == (2 * b.sft, 4 * b.sft, b.real_rl)
   assert cfg.real.agent == cfg.sft.agent == cfg.dpo.agent == cfg.dreamgym.rl.agent == cfg.eval.agent
+  # The policy sees every earlier step's room (the whole 14-step episode fits), in every stage alike.
+  assert cfg.real.agent.history_fields == ("Location",) and cfg.real.agent.history_turns == 14
   if not variant:
     assert cfg.seeds == (0, 1, 2) and cfg.algorithms == ("grpo", "ppo")
     assert len(cfg.ablations) == 4 and cfg.eval.tasks.count == 200
