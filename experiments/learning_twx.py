@@ -1,10 +1,14 @@
 """Evidence that real-env RL learns: a weak SFT warm start on TextWorld-Express coin games, then GRPO and PPO.
 
 Pipeline (every stage through the library's own entry points, all against the real TWX env in this process):
-1. collect expert episodes of coin games (`dreamjax.data.collect`, TWX's train fold; one room by default);
+1. collect episodes of coin games (`dreamjax.data.collect`, TWX's train fold; one room by default): the gold-path
+   expert's (--warm-start expert, the default) or uniform random play over the admissible actions (--warm-start
+   random, episodes of at most the RL runs' turn budget);
 2. behaviour-clone a tiny policy from scratch on them (`dreamjax.commands.train_policy`, configs/train_policy_twx.py:tiny
-   with the RL runs' agent format and budgets) for deliberately few steps: its greedy answers are already right, but
-   sampled at temperature 1 most of its answers do not parse or name an invalid action;
+   with the RL runs' agent format and budgets). From the expert, for deliberately few steps: its greedy answers are
+   already right, but sampled at temperature 1 most of its answers do not parse or name an invalid action. From
+   random play, every step is cloned: a policy close to uniform over the admissible actions, whose greedy choice is
+   the most frequent one and whose sampled success is about random play's;
 3. from that checkpoint, GRPO (configs/grpo_real_twx.py:tiny) and, separately, PPO (configs/ppo_real_twx.py:tiny)
    against the real env (`dreamjax.commands.rl`), each evaluated on the same held-out tasks (TWX's dev fold), greedy
    and sampled at the rollout temperature, before training, every few iterations and at the end.
@@ -12,11 +16,17 @@ Writes to --out: data/, sft/, grpo/, ppo/ (each a run folder with metrics, evals
 results.md (before/after table with 95% Wilson intervals and real transitions, the curves as tables, and per-task
 gains and losses between the warm start and each final policy) and results.json.
 
-Why one room and sampled success. On two-room games (--game-params "numLocations=2, includeDoors=0") the skill left
-to learn is reading the exit's direction; the tiny model never learned it (not in 400 SFT steps on 256 demos, not in
-15 GRPO iterations), so greedy success stays at the share of games whose coin is in sight plus those whose exit is the
-direction it always picks (0.48-0.64). One-room games leave the warm start's sampling distribution as the thing to
+Why one room and sampled success. One-room games leave the warm start's sampling distribution as the thing to
 improve, and the success of the stochastic policy is what RL optimises; the greedy result is reported beside it.
+
+Two rooms (a multi-turn check: move to the other room, then take the coin). Cloned from the expert (400 SFT steps on
+256 demos), the tiny policy's greedy failures named a move the game does not offer, and 15 GRPO iterations left its
+greedy success at 0.48-0.64. Cloned from random play, GRPO at lr 3e-4 raised it from 0.00 greedy (0.38 sampled) to
+1.00 (0.86) within 20 iterations; at the tiny config's 1e-3 one run got there too and one collapsed
+(experiments/RESULTS.md, "The RL loop learns"):
+       python experiments/learning_twx.py --game-params "numLocations=2, includeDoors=0, numDistractorItems=0" \
+         --warm-start random --demos 400 --sft-steps 200 --iterations 30 --eval-every 10 --eval-tasks 50 \
+         --algorithms grpo --set env_kwargs=step_limit=4 --set optim.lr=3e-4 --out runs/experiments/learning_twx_rooms2
 
 Run:   python experiments/learning_twx.py
 Quick: python experiments/learning_twx.py --out runs/experiments/learning_twx_quick --iterations 2 --eval-tasks 16
@@ -28,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,6 +58,7 @@ from dreamjax.envs.textworld_express import TextWorldExpressEnv  # noqa: E402
 from dreamjax.loop.evaluate import EvalConfig
 from dreamjax.loop.learner import TaskSpec
 from dreamjax.loop.model import ModelSource
+from dreamjax.loop.policy_data import RowConfig
 
 COIN = "numLocations=1"
 
@@ -54,7 +66,9 @@ COIN = "numLocations=1"
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--out", default="runs/experiments/learning_twx")
-  p.add_argument("--demos", type=int, default=16, help="expert episodes collected (train fold)")
+  p.add_argument("--demos", type=int, default=16, help="episodes collected for the warm start (train fold)")
+  p.add_argument("--warm-start", choices=("expert", "random"), default="expert",
+                 help="clone the gold-path expert's episodes or every step of uniform random play")
   p.add_argument("--sft-steps", type=int, default=20, help="SFT updates: few on purpose (a weak warm start)")
   p.add_argument("--iterations", type=int, default=20, help="RL iterations of each algorithm")
   p.add_argument("--eval-every", type=int, default=5)
@@ -68,19 +82,23 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def warm_start(args: argparse.Namespace, out: Path, env, rl: RLConfig) -> tuple[Path, dict[str, Any]]:
-  """Collects demonstrations and behaviour-clones the tiny policy (skipped when its summary exists), with the RL
-  runs' agent format and rollout settings, so its rows and its evaluation are laid out as theirs."""
+  """Collects episodes and behaviour-clones the tiny policy (skipped when its summary exists), with the RL runs'
+  agent format and rollout settings, so its rows and its evaluation are laid out as theirs."""
   data = out / "data"
+  # Random play stops at the RL runs' turn budget, so its episodes end where the policy's will.
+  limit = {"max_steps": rl.rollout.max_turns} if args.warm_start == "random" else {}
   collect(CollectConfig(env="textworld_express", env_kwargs=rl.env_kwargs, games=("coin",), split="train",
-                        game_params=args.game_params, policies=(f"expert:{args.demos}",), num_workers=0,
+                        game_params=args.game_params, policies=(f"{args.warm_start}:{args.demos}",), num_workers=0,
                         rows_per_worker=len(env.envs), out_dir=str(data), seed=args.seed, build_tfds=False,
-                        progress=False), batch=env)
+                        progress=False, **limit), batch=env)
   sft_dir = out / "sft"
   if not (sft_dir / "summary.json").is_file():
     base = load_config(str(ROOT / "configs" / "train_policy_twx.py:tiny"))
     cfg = dataclasses.replace(
         base, data=(str(data / "trajectories.jsonl"),), env_kwargs=rl.env_kwargs, agent=rl.agent,
         rollout=rl.rollout, max_steps=args.sft_steps,
+        rows=base.rows if args.warm_start == "expert" else RowConfig(experts=("random",), step_sources=("random",),
+                                                                      successful_only=False),
         optim=dataclasses.replace(base.optim, warmup_steps=min(base.optim.warmup_steps, args.sft_steps // 4),
                                   total_steps=args.sft_steps),
         eval=EvalConfig(games=("coin",), split="dev", num_tasks=args.eval_tasks, game_params=args.game_params,
@@ -118,11 +136,11 @@ def paired(out: Path, algorithm: str, key: str) -> tuple[int, int]:
   return sum(after[t] and not before[t] for t in before), sum(before[t] and not after[t] for t in before)
 
 
-def report(out: Path, sft: dict[str, Any], runs: dict[str, dict[str, Any]], argv: list[str]) -> str:
+def report(out: Path, sft: dict[str, Any], runs: dict[str, dict[str, Any]], argv: list[str], warm_start: str) -> str:
   start = next(iter(runs.values()))["initial"]
   lines = ["# Real-env RL on TextWorld-Express coin games", "",
-           f"Command: `python experiments/learning_twx.py {' '.join(argv)}`".rstrip(), "",
-           f"Warm start: {sft['steps']} SFT steps on {sft['rows']['rows']} expert turns (loss {sft['first_loss']:.3f} "
+           f"Command: `python experiments/learning_twx.py {shlex.join(argv)}`".rstrip(), "",
+           f"Warm start: {sft['steps']} SFT steps on {sft['rows']['rows']} {warm_start} turns (loss {sft['first_loss']:.3f} "
            f"-> {sft['final_loss']:.3f}). Held-out success on the same {start['episodes']} dev-fold tasks "
            "throughout, one episode per task: greedy, and sampled at the rollout temperature (the policy RL "
            "optimises); intervals are 95% Wilson. Invalid actions are per env step, unparsed answers per turn "
@@ -175,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
       runs[algorithm] = json.loads(summary.read_text()) if summary.is_file() else rl_real.run(cfg, env)
   finally:
     env.close()
-  text = report(out, sft, runs, argv)
+  text = report(out, sft, runs, argv, args.warm_start)
   (out / "results.md").write_text(text)
   (out / "results.json").write_text(json.dumps({"sft": sft["eval"], "runs": runs}, indent=1) + "\n")
   print(text)

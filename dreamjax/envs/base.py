@@ -62,6 +62,13 @@ def normalize_action(text: str) -> str:
   return " ".join(text.split()).lower()
 
 
+def state_line(line: str) -> tuple[str, str] | None:
+  """(field, value) of an abstract state's "Field: value" line, None for a line that is not one. A qualifier after
+  the field's name is not part of it: "Inventory (max 5): coin" is the field "Inventory"."""
+  key, sep, value = line.partition(": ")
+  return (key.split(" (")[0], value) if sep else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
   """One episode's specification: which env, which game/seed/goal, and the instruction the agent is given."""

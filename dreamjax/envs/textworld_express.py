@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 from typing import Any
 
-from dreamjax.envs.base import Observation, StepResult, Task, normalize_action
+from dreamjax.envs.base import Observation, StepResult, Task, normalize_action, state_line
 
 INVALID_FEEDBACK = "Unknown action: I'm not sure what you mean."  # TWX's own reply to a string outside validActions
 SPLITS = ("train", "dev", "test")
@@ -125,11 +125,10 @@ def state_fields(state: str) -> dict[str, str]:
   """An abstract state (real or predicted) back into its fields; a line without a known field is an error."""
   fields = {}
   for i, line in enumerate(state.splitlines()):
-    key, sep, value = line.partition(": ")
-    base = key.split(" (")[0]
-    if not sep or base not in STATE_FIELDS:
+    field = state_line(line)
+    if field is None or field[0] not in STATE_FIELDS:
       raise ValueError(f"abstract state line {i + 1}: expected one of {', '.join(STATE_FIELDS)}, got {line!r}")
-    fields[base] = value
+    fields[field[0]] = field[1]
   return fields
 
 

@@ -28,7 +28,7 @@ import collections
 import re
 from collections.abc import Sequence
 
-from dreamjax.envs.base import Observation, normalize_action
+from dreamjax.envs.base import Observation, normalize_action, state_line
 
 DIRECTIONS = ("north", "east", "south", "west")
 OPPOSITE = {"north": "south", "south": "north", "east": "west", "west": "east"}
@@ -39,11 +39,8 @@ _OPEN_EXIT = re.compile(r"^(\w+) to (.+?)(?: \([^()]*\))?$")  # "north to backya
 
 def state_field(state: str, field: str) -> str | None:
   """The value of a "Field: value" line of an abstract state, None when the state has no such line."""
-  for line in state.splitlines():
-    key, sep, value = line.partition(": ")
-    if sep and key.split(" (")[0] == field:
-      return value.strip()
-  return None
+  return next((value.strip() for key, value in filter(None, map(state_line, state.splitlines())) if key == field),
+              None)
 
 
 def parse_exits(state: str) -> dict[str, tuple[str | None, bool]]:

@@ -247,7 +247,10 @@ class Tracker:
 
       root = self.out / "wandb"
       root.mkdir(exist_ok=True)
-      settings = wandb.Settings(mode=track_cfg.wandb, silent=True, console="off", x_disable_stats=True)
+      # wandb-core, a separate binary, must come up within x_service_wait (30 s by default); on a host busy with the
+      # job's own compile and env workers, with a cold file cache, its first start can take longer than that.
+      settings = wandb.Settings(mode=track_cfg.wandb, silent=True, console="off", x_disable_stats=True,
+                                x_service_wait=180.0)
       with _wandb_offline_env(root) if track_cfg.wandb == "offline" else contextlib.nullcontext():
         self._wandb = wandb.init(project=track_cfg.project, entity=track_cfg.entity or None,
                                  name=track_cfg.name or self.out.name, group=track_cfg.group or None,

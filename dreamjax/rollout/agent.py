@@ -34,6 +34,7 @@ import functools
 import hashlib
 from collections.abc import Sequence
 
+from dreamjax.envs.base import state_line
 from dreamjax.text import Kind, SegmentBuilder, Tokenizer
 
 ACTION_OPEN, ACTION_CLOSE = "<action>", "</action>"
@@ -85,8 +86,8 @@ class ParsedAnswer:
 
 def _compact(text: str, fields: tuple[str, ...]) -> str:
   lines = [" ".join(line.split()) for line in text.splitlines() if line.strip()]
-  if fields:  # "Inventory (max 5): ..." is the field "Inventory"
-    lines = [line for line in lines if line.partition(": ")[0].split(" (")[0] in fields]
+  if fields:
+    lines = [line for line in lines if (field := state_line(line)) and field[0] in fields]
   return "; ".join(lines)
 
 
