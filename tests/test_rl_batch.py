@@ -206,3 +206,17 @@ def test_dpo_batch_keeps_pairs_inside_micro_batches():
   assert np.asarray(b.valid).any(-1).sum() == 13
   with pytest.raises(ValueError, match="dpo_batch pair 0: needs at least one chosen and one rejected row"):
     dpo_batch([(rows(1), [])])
+
+
+def test_episode_weights_make_every_episode_weigh_the_same():
+  """Episodes of 2, 1, 3 and 1 turn rows: each row's loss weight is (7 rows / 4 episodes) / its episode's rows, the
+  advantages are the unweighted ones, and an episode left out (env failure) counts in neither."""
+  traj = make_traj()
+  plain = rl_batch(traj, advantage="grpo", invalid_penalty=0.1, pad_to=8)
+  b = rl_batch(traj, advantage="grpo", invalid_penalty=0.1, episode_weights=True, pad_to=8)
+  rows = [2, 1, 3, 1]
+  check_on_actions(np.asarray(b.loss_mask)[:, :T], [7 / 4 / rows[r[0]] for r in TURNS])
+  np.testing.assert_array_equal(np.asarray(b.advantages), np.asarray(plain.advantages))
+  failed = dataclasses.replace(traj, env_error=np.array([False, False, True, False]))
+  b = rl_batch(failed, advantage="grpo", episode_weights=True, pad_to=8)
+  check_on_actions(np.asarray(b.loss_mask)[:, :T], [0.0 if r[0] == 2 else 4 / 3 / rows[r[0]] for r in TURNS])

@@ -112,6 +112,7 @@ class RLConfig(RunConfig):
   whiten_advantages: bool = False  # PPO: whiten advantages over the batch's action tokens
   invalid_penalty: float = 0.1  # subtracted from the reward of a turn whose action was invalid or unparseable
   drop_zero_variance_groups: bool = False  # GRPO: leave groups with equal returns out of the update
+  episode_weights: bool = False  # every episode weighs the same in the loss, however many turns it took (rl_batch)
   env: str = "textworld_express"
   env_kwargs: tuple[str, ...] = ("step_limit=20",)  # "key=value"; values parsed as JSON where they parse
   num_workers: int = 0  # EnvPool worker processes; 0: envs in this process (TWX is fast in-process)
@@ -376,7 +377,8 @@ class PolicyLearner:
       times["values_s"] = time.perf_counter() - t0
     batch = rl_batch(traj, advantage=cfg.advantage, values=values, ref_logp=ref_logp,
                      invalid_penalty=cfg.invalid_penalty, gamma=cfg.gamma, lam=cfg.lam,
-                     normalize_std=cfg.normalize_std, whiten_advantages=cfg.whiten_advantages, pad_to=cfg.pad_to)
+                     normalize_std=cfg.normalize_std, whiten_advantages=cfg.whiten_advantages,
+                     episode_weights=cfg.episode_weights, pad_to=cfg.pad_to)
     return batch, times
 
   def minibatches(self, batch: TokenBatch, rows: np.ndarray, iteration: int, epochs: int, rows_per_step: int):

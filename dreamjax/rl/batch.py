@@ -129,6 +129,7 @@ def rl_batch(
     lam: float = 1.0,
     normalize_std: bool = True,
     whiten_advantages: bool = False,
+    episode_weights: bool = False,
     pad_to: int = 64,
     row_multiple: int = 1,
 ) -> TokenBatch:
@@ -147,6 +148,11 @@ def rl_batch(
   last turn (gae_turn) or last action token (gae_token): the state after it has no row, so that value is the nearest
   estimate. `values` [M, T] are aligned values from `LogpScorer(with_values=True)` on the trajectory rows.
   `old_logp` defaults to the rollout's own log-probs; `ref_logp` to zeros (no KL term).
+
+  `episode_weights`: each turn row's loss weight is scaled by 1 / (its episode's turn rows), times the mean number of
+  rows per kept episode (so weights average 1 over rows): every episode weighs the same in the update, as every
+  sequence does in single-turn GRPO. Without it an episode weighs as many turns as it took, and where success ends an
+  episode early the long failed episodes outweigh the short successful ones.
   """
   if advantage not in ADVANTAGES:
     raise ValueError(f"rl_batch: unknown advantage {advantage!r}; expected one of {ADVANTAGES}")
@@ -191,6 +197,11 @@ def rl_batch(
   d["tokens"][:m, :t] = np.where(valid, traj.tokens, 0)
   d["valid"][:m, :t] = valid
   d["loss_mask"][:m, :t] = loss_mask
+  if episode_weights:  # the loss's weights only: the advantages above are per token, unweighted
+    rows_per_episode = np.bincount(traj.episode, minlength=traj.num_episodes).astype(np.float32)
+    kept_rows = rows_per_episode * kept
+    scale = kept_rows.sum() / max(1, int((kept_rows > 0).sum()))
+    d["loss_mask"][:m, :t] *= (scale / np.maximum(rows_per_episode, 1.0))[traj.episode][:, None]
   d["old_logp"][:m, :t] = traj.rollout_logp if old_logp is None else _check_rows("old_logp", old_logp, (m, t))
   if ref_logp is not None:
     d["ref_logp"][:m, :t] = _check_rows("ref_logp", ref_logp, (m, t))
