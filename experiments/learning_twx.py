@@ -4,11 +4,11 @@ Pipeline (every stage through the library's own entry points, all against the re
 1. collect episodes of coin games (`dreamjax.data.collect`, TWX's train fold; one room by default): the gold-path
    expert's (--warm-start expert, the default) or uniform random play over the admissible actions (--warm-start
    random, episodes of at most the RL runs' turn budget);
-2. behaviour-clone a tiny policy from scratch on them (`dreamjax.commands.train_policy`, configs/train_policy_twx.py:tiny
-   with the RL runs' agent format and budgets). From the expert, for deliberately few steps: its greedy answers are
-   already right, but sampled at temperature 1 most of its answers do not parse or name an invalid action. From
-   random play, every step is cloned: a policy close to uniform over the admissible actions, whose greedy choice is
-   the most frequent one and whose sampled success is about random play's;
+2. behaviour-clone a tiny policy from scratch on them (`dreamjax.commands.train_policy`,
+   configs/train_policy_twx.py:tiny with the RL runs' agent format and budgets). From the expert, for deliberately
+   few steps: its greedy answers are already right, but sampled at temperature 1 most of its answers do not parse or
+   name an invalid action. From random play, every step is cloned: a policy close to uniform over the admissible
+   actions, whose greedy choice is the most frequent one and whose sampled success is about random play's;
 3. from that checkpoint, GRPO (configs/grpo_real_twx.py:tiny) and, separately, PPO (configs/ppo_real_twx.py:tiny)
    against the real env (`dreamjax.commands.rl`), each evaluated on the same held-out tasks (TWX's dev fold), greedy
    and sampled at the rollout temperature, before training, every few iterations and at the end.
@@ -140,9 +140,10 @@ def report(out: Path, sft: dict[str, Any], runs: dict[str, dict[str, Any]], argv
   start = next(iter(runs.values()))["initial"]
   lines = ["# Real-env RL on TextWorld-Express coin games", "",
            f"Command: `python experiments/learning_twx.py {shlex.join(argv)}`".rstrip(), "",
-           f"Warm start: {sft['steps']} SFT steps on {sft['rows']['rows']} {warm_start} turns (loss {sft['first_loss']:.3f} "
-           f"-> {sft['final_loss']:.3f}). Held-out success on the same {start['episodes']} dev-fold tasks "
-           "throughout, one episode per task: greedy, and sampled at the rollout temperature (the policy RL "
+           f"Warm start: {sft['steps']} SFT steps on {sft['rows']['rows']} {warm_start} turns "
+           f"(loss {sft['first_loss']:.3f} -> {sft['final_loss']:.3f}). Held-out success on the same "
+           f"{start['episodes']} dev-fold tasks throughout, one episode per task: greedy, and sampled at the "
+           "rollout temperature (the policy RL "
            "optimises); intervals are 95% Wilson. Invalid actions are per env step, unparsed answers per turn "
            "(greedy).", "",
            "| policy | real transitions (training) | greedy success [95% CI] | sampled success [95% CI] | mean turns | "
