@@ -1,5 +1,8 @@
-"""Headroom of TextWorld-Express coin settings: how often a uniform random policy over the admissible actions and the
-observation-only explorer (dreamjax.envs.twx_explorer) succeed on held-out games, per map size, doors and step limit.
+"""Headroom of TextWorld-Express settings: how often a uniform random policy over the admissible actions and an agent
+that acts on the observations succeed on held-out games, per setting. On coin games (`--maps large|small`, per map
+size, doors and step limit) that agent is the explorer (dreamjax.envs.twx_explorer): TWX's gold path knows where the
+coin is. On twc games (`--maps twc`, TextWorld Commonsense: put each item away where it belongs) it is TWX's gold
+path: every object and container it names is in the observation, and where an item belongs follows from its name.
 
 A testbed can show learning only where random play fails (issue 18 asks for at most 0.10) and an agent that reads the
 observations succeeds; this scan picks the settings. Each setting runs `dreamjax collect` (in process) with both
@@ -52,32 +55,42 @@ SMALL_MAPS = (
     ("numLocations=5, includeDoors=1, numDistractorItems=0", 8),
     ("numLocations=6, includeDoors=1, numDistractorItems=0", 8),
 )
-POLICIES = ("random", "explorer")
+# twc (--maps twc): one room, items to put away. Dev games hold items no train game has (TWC's unseen split).
+TWC_SETTINGS = (
+    ("numLocations=1, numItemsToPutAway=2, includeDoors=0", 8),
+    ("numLocations=1, numItemsToPutAway=3, includeDoors=0", 10),
+    ("numLocations=2, numItemsToPutAway=2, includeDoors=0", 10),
+)
+# --maps: (game, settings, (the floor's policy, the observation-only agent's))
+MAPS = {"large": ("coin", SETTINGS, ("random", "explorer")), "small": ("coin", SMALL_MAPS, ("random", "explorer")),
+        "twc": ("twc", TWC_SETTINGS, ("random", "expert"))}
 
 
-def scan(settings: Sequence[tuple[str, int]], tasks: int, out: Path) -> list[dict]:
+def scan(maps: str, settings: Sequence[tuple[str, int]], tasks: int, out: Path) -> list[dict]:
+  game, _, policies = MAPS[maps]
   rows = []
   for i, (params, limit) in enumerate(settings):
-    cfg = CollectConfig(games=("coin",), split="dev", game_params=params, env_kwargs=(f"step_limit={limit}",),
-                        policies=tuple(f"{p}:{tasks}" for p in POLICIES), num_workers=0, rows_per_worker=8,
+    cfg = CollectConfig(games=(game,), split="dev", game_params=params, env_kwargs=(f"step_limit={limit}",),
+                        policies=tuple(f"{p}:{tasks}" for p in policies), num_workers=0, rows_per_worker=8,
                         max_steps=limit, out_dir=str(out / f"setting{i}"), build_tfds=False, progress=False)
     summary = collect(cfg)["policies"]
-    row = dict(game_params=params, step_limit=limit, tasks=tasks)
-    for p in POLICIES:
+    row = dict(game=game, game_params=params, step_limit=limit, tasks=tasks)
+    for p in policies:
       s = summary[p]
       row[p] = dict(success=s["success_rate"], interval=wilson_interval(s["successes"], s["episodes"]),
                     mean_steps=s["mean_steps"])
     rows.append(row)
-    print(f"{params}, limit {limit}: " + ", ".join(f"{p} {row[p]['success']:.2f}" for p in POLICIES), flush=True)
+    print(f"{params}, limit {limit}: " + ", ".join(f"{p} {row[p]['success']:.2f}" for p in policies), flush=True)
   return rows
 
 
-def table(rows: list[dict]) -> str:
-  lines = ["| coin game params | step limit | random [95% CI] | random steps | explorer [95% CI] | explorer steps |",
-           "|---|---|---|---|---|---|"]
+def table(maps: str, rows: list[dict]) -> str:
+  game, _, policies = MAPS[maps]
+  head = " | ".join(f"{p} [95% CI] | {p} steps" for p in policies)
+  lines = [f"| {game} game params | step limit | {head} |", "|---|---|---|---|---|---|"]
   for r in rows:
     cells = [f"{r[p]['success']:.2f} [{r[p]['interval'][0]:.2f}, {r[p]['interval'][1]:.2f}] | {r[p]['mean_steps']:.1f}"
-             for p in POLICIES]
+             for p in policies]
     lines.append(f"| {r['game_params']} | {r['step_limit']} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
@@ -86,11 +99,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--tasks", type=int, default=100, help="dev games per setting (the same games for both policies)")
   p.add_argument("--out", type=Path, default=ROOT / "runs/experiments/headroom_twx")
-  p.add_argument("--maps", choices=("large", "small"), default="large", help="SETTINGS or SMALL_MAPS")
+  p.add_argument("--maps", choices=tuple(MAPS), default="large", help="coin SETTINGS, coin SMALL_MAPS or TWC_SETTINGS")
   p.add_argument("--settings", type=int, default=0, help="only the first N settings (0: all); the test uses 1")
   args = p.parse_args(argv)
-  rows = scan((SETTINGS if args.maps == "large" else SMALL_MAPS)[:args.settings or None], args.tasks, args.out)
-  md = table(rows)
+  rows = scan(args.maps, MAPS[args.maps][1][:args.settings or None], args.tasks, args.out)
+  md = table(args.maps, rows)
   (args.out / "results.md").write_text(md + "\n")
   (args.out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
   print(md)

@@ -120,3 +120,13 @@ def test_headroom_scan_writes_its_table(tmp_path):
   low, high = row["random"]["interval"]
   assert 0.0 <= low <= row["random"]["success"] <= high <= 1.0
   assert "| numLocations=2, includeDoors=0, numDistractorItems=0 | 8 |" in (tmp_path / "results.md").read_text()
+
+
+def test_headroom_scan_of_twc_games_puts_the_gold_path_against_random(tmp_path):
+  pytest.importorskip("textworld_express")
+  from experiments import headroom_twx
+
+  (row,) = headroom_twx.main(["--maps", "twc", "--settings", "1", "--tasks", "4", "--out", str(tmp_path)])
+  assert row["game"] == "twc" and row["step_limit"] == 8
+  assert row["expert"]["success"] == 1.0 and row["expert"]["mean_steps"] <= 8  # take both items, put each away
+  assert "| twc game params | step limit | random [95% CI] |" in (tmp_path / "results.md").read_text()
