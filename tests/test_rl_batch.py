@@ -5,6 +5,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from dreamjax.loop.learner import RLConfig, as_ppo, silent_groups
 from dreamjax.rl.batch import dpo_batch, rl_batch, sft_batch, split_micro_batches
 from dreamjax.rollout.trajectory import Trajectories
 from dreamjax.text import Kind
@@ -85,6 +86,38 @@ def test_grpo_advantages_on_action_tokens_with_invalid_penalty():
     assert b0.tokens.shape == (7, 8)
     check_on_actions(np.asarray(b0.advantages)[:, :T], [(centred, -centred, -0.5, 0.5)[r[0]] for r in TURNS])
 
+
+
+def test_turn_credit_puts_the_invalid_penalty_on_the_invalid_turn_alone():
+  """Groups compare env rewards only: group 0 (1, 0) centres to +-0.5 like group 1, and the invalid turn (row 2,
+  episode 1's only turn) gets the penalty on top of its episode's advantage; every other row is as without it."""
+  traj = make_traj()
+  b = rl_batch(traj, advantage="grpo", invalid_penalty=0.3, normalize_std=False, invalid_credit="turn", pad_to=8)
+  per_episode = [0.5, -0.5, -0.5, 0.5]
+  check_on_actions(np.asarray(b.advantages)[:, :T],
+                   [per_episode[r[0]] - (0.3 if r[5] else 0.0) for r in TURNS])
+  plain = rl_batch(traj, advantage="grpo", invalid_penalty=0.0, normalize_std=False, pad_to=8)
+  valid_rows = [i for i, r in enumerate(TURNS) if not r[5]]
+  np.testing.assert_array_equal(np.asarray(b.advantages)[valid_rows], np.asarray(plain.advantages)[valid_rows])
+  with pytest.raises(ValueError, match="invalid_credit 'turn'.*grpo advantage only"):
+    rl_batch(traj, advantage="gae_turn", values=np.zeros((len(TURNS), T), np.float32), invalid_credit="turn")
+  with pytest.raises(ValueError, match="invalid_credit 'step' must be one of"):
+    rl_batch(traj, invalid_credit="step")
+
+
+def test_silent_groups_are_those_whose_update_is_zero_on_every_row():
+  """No success anywhere: group 0 has episode 1's invalid turn, group 1 none. Episode credit tells group 0 apart by
+  its returns (0 against -0.1); turn credit by the invalid turn's own penalty; group 1 is silent either way, and with
+  no penalty both are."""
+  traj = dataclasses.replace(make_traj(), reward=np.zeros(len(TURNS), np.float32))
+  for credit in ("episode", "turn"):
+    np.testing.assert_array_equal(silent_groups(traj, 0.1, credit), [False, True])
+    np.testing.assert_array_equal(silent_groups(traj, 0.0, credit), [True, True])
+    b = rl_batch(traj, advantage="grpo", invalid_penalty=0.1, normalize_std=False, invalid_credit=credit, pad_to=8)
+    rows_of_group = np.array([GROUP[r[0]] for r in TURNS])
+    assert np.asarray(b.advantages)[rows_of_group == 0].any() and not np.asarray(b.advantages)[rows_of_group == 1].any()
+  with pytest.raises(ValueError, match="RLConfig.invalid_credit must be one of"):
+    as_ppo(RLConfig(), invalid_credit="turn")
 
 @pytest.mark.parametrize("advantage", ["grpo", "gae_turn", "gae_token"])
 def test_env_failed_episodes_are_left_out(advantage):

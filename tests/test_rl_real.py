@@ -26,7 +26,8 @@ from dreamjax.envs.textworld_express import TextWorldExpressEnv, tasks
 from dreamjax.loop.evaluate import evaluate, unparsed_rows, wilson_interval
 from dreamjax.loop.checkpoint import RunCheckpointer
 from dreamjax.loop.learner import PolicyLearner
-from dreamjax.loop.learner import RLConfig, TaskSpec, as_ppo, episode_returns, take_rows, zero_variance_groups
+from dreamjax.loop.learner import (RLConfig, TaskSpec, as_ppo, episode_returns, silent_groups, take_rows,
+                                   zero_variance_groups)
 from dreamjax.loop.model import ModelSource, load_model
 from dreamjax.loop.track import read_metrics
 from dreamjax.models import init_params, load_hf_checkpoint
@@ -253,15 +254,18 @@ def test_an_update_moves_log_probs_along_the_advantages(learner, rollout):
   assert np.sum(adv * after) > np.sum(adv * before)
 
 
-def test_dropping_zero_variance_groups_updates_only_the_others(warm_start, learner, twx, tmp_path):
-  cfg = dataclasses.replace(learner.cfg, drop_zero_variance_groups=True, out_dir=str(tmp_path))
+@pytest.mark.parametrize("credit", ["episode", "turn"])
+def test_dropping_zero_variance_groups_updates_only_the_others(warm_start, learner, twx, tmp_path, credit):
+  cfg = dataclasses.replace(learner.cfg, drop_zero_variance_groups=True, invalid_credit=credit, out_dir=str(tmp_path))
   mesh = make_mesh(cfg.mesh, jax.devices()[:1])
   model_cfg, params, tok = load_model(cfg.model.checkpoint, mesh=mesh)
   other = PolicyLearner(cfg, model_cfg, params, tok, mesh)
   pool = cfg.train_tasks.tasks(cfg.env)
   # The iteration's own draw and key, rolled out by hand to know which groups are flat.
   traj = other.engine.run(other.params, twx, draw_tasks(pool, 2, 0, cfg.seed), phase_key(other.root, 0, PHASE_ROLLOUT))
-  flat = zero_variance_groups(traj, episode_returns(traj, cfg.invalid_penalty))
+  flat = silent_groups(traj, cfg.invalid_penalty, credit)
+  if credit == "episode":
+    assert (flat == zero_variance_groups(traj, episode_returns(traj, cfg.invalid_penalty))).all()
   metrics, _ = other.iteration(twx, draw_tasks(pool, 2, 0, cfg.seed), 0)
   assert metrics["rows"] == traj.num_rows
   assert metrics["rows_updated"] == int((~flat[traj.group[traj.episode]]).sum())

@@ -1,5 +1,6 @@
-"""The coin11 testbed (configs/reproduce_coin11.py): its stages all on the 11-room door games, learning from
-non-privileged data only; and the fidelity split it needs, transitions that reveal unseen rooms scored apart."""
+"""The testbeds: coin11 (configs/reproduce_coin11.py), its stages all on the 11-room door games, learning from
+non-privileged data only, and the fidelity split it needs, transitions that reveal unseen rooms scored apart; twc
+(configs/reproduce_twc.py), its stages on one-room commonsense games, held out on train-fold games no stage draws."""
 
 import dataclasses
 
@@ -48,6 +49,38 @@ def test_coin11_points_every_stage_at_the_door_games(variant):
     assert cfg.seeds == (0, 1, 2) and cfg.algorithms == ("grpo", "ppo")
     assert len(cfg.ablations) == 4 and cfg.eval.tasks.count == 200
 
+
+
+@pytest.mark.parametrize("variant", ["", ":tiny"])
+def test_twc_trains_and_scores_on_disjoint_games_of_one_fold(variant):
+  cfg = load_config(f"configs/reproduce_twc.py{variant}")
+  twc = "numLocations=1, numItemsToPutAway=2, includeDoors=0"
+  stages = (cfg.sft, cfg.dpo, cfg.real, cfg.dreamgym.rl, cfg.eval)
+  assert {cfg.collect.env_kwargs, *(c.env_kwargs for c in stages)} == {("step_limit=8",)}
+  assert {c.rollout.max_turns for c in stages} == {8}
+  assert cfg.collect.games == cfg.real.train_tasks.games == cfg.eval.tasks.games == ("twc",)
+  assert cfg.collect.game_params == cfg.real.train_tasks.game_params == cfg.eval.tasks.game_params == twc
+  # Every game is from the train fold (dev's item names appear in no train game); the collectors and RL draw tasks
+  # below the held-out start, every evaluation from it on.
+  held_out = cfg.eval.tasks
+  assert held_out.split == cfg.real.eval_tasks.split == cfg.sft.eval.split == cfg.collect.split == "train"
+  assert held_out.start == cfg.real.eval_tasks.start == cfg.dreamgym.rl.eval_tasks.start == cfg.sft.eval.task_start
+  assert cfg.real.train_tasks.start + cfg.real.train_tasks.count <= held_out.start
+  assert cfg.dreamgym.rl.train_tasks == cfg.real.train_tasks
+  assert all(cfg.collect.task_start + int(p.split(":")[1]) <= held_out.start for p in cfg.collect.policies)
+  # The gold path leads the file, so the SFT budget (whole episodes in file order) holds all of it, and SFT clones it.
+  assert cfg.collect.policies[0].startswith("expert:") and cfg.sft.rows.step_sources == ("expert",)
+  assert cfg.dpo.pairs.chosen_policies == ("expert",)
+  assert cfg.exp.format.reasoning and cfg.dreamgym.reasoning and "no_reasoning" in cfg.ablations
+  b = cfg.budgets
+  assert (b.dpo, b.real_rl, b.s2r * 16) == (2 * b.sft, 4 * b.sft, b.real_rl)
+  assert cfg.real.agent == cfg.sft.agent == cfg.dpo.agent == cfg.dreamgym.rl.agent == cfg.eval.agent
+  if not variant:
+    expert_episodes = int(cfg.collect.policies[0].split(":")[1])
+    assert b.sft >= expert_episodes * 6  # the gold path takes 5.7 steps on average
+    assert cfg.seeds == (0, 1, 2) and cfg.eval.tasks.count == 200 and len(cfg.ablations) == 4
+    # DreamGym trains as real-env RL does; only where its episodes come from differs.
+    assert dataclasses.replace(cfg.dreamgym.rl, out_dir=cfg.real.out_dir) == cfg.real
 
 def _state(location: str, exits: str) -> str:
   return f"Location: {location}\nYou see: stove\nExits: {exits}\nInventory (max 2): nothing"

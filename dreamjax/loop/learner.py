@@ -60,7 +60,7 @@ from dreamjax.loop.track import echo
 from dreamjax.models import ModelConfig, tiny
 from dreamjax.models.params import in_compute_dtype, sampling_copy
 from dreamjax.parallel import TRAIN_RULES, check_same
-from dreamjax.rl.batch import TokenBatch, rl_batch
+from dreamjax.rl.batch import INVALID_CREDIT, TokenBatch, rl_batch
 from dreamjax.rl.critic import Critic, CriticConfig, critic_metrics, explained_variance
 from dreamjax.rl.keys import PHASE_CRITIC, PHASE_EVAL, PHASE_ROLLOUT, PHASE_SHUFFLE, PHASE_UPDATE, phase_key
 from dreamjax.rl.logprobs import LogpScorer
@@ -113,6 +113,8 @@ class RLConfig(RunConfig):
   invalid_penalty: float = 0.1  # subtracted from the reward of a turn whose action was invalid or unparseable
   drop_zero_variance_groups: bool = False  # GRPO: leave groups with equal returns out of the update
   episode_weights: bool = False  # every episode weighs the same in the loss, however many turns it took (rl_batch)
+  # GRPO: where the invalid-action penalty goes (rl_batch): "episode" (its return) or "turn" (the invalid turn only)
+  invalid_credit: str = "episode"
   env: str = "textworld_express"
   env_kwargs: tuple[str, ...] = ("step_limit=20",)  # "key=value"; values parsed as JSON where they parse
   num_workers: int = 0  # EnvPool worker processes; 0: envs in this process (TWX is fast in-process)
@@ -152,6 +154,9 @@ class RLConfig(RunConfig):
     if self.advantage not in ALGORITHMS[self.algorithm]:
       raise ValueError(f"RLConfig.advantage {self.advantage!r} does not go with algorithm {self.algorithm!r} "
                        f"(expected one of {ALGORITHMS[self.algorithm]})")
+    if self.invalid_credit not in INVALID_CREDIT or (self.invalid_credit == "turn" and self.advantage != "grpo"):
+      raise ValueError(f"RLConfig.invalid_credit must be one of {INVALID_CREDIT} ('turn' with advantage 'grpo' only), "
+                       f"got {self.invalid_credit!r} with advantage {self.advantage!r}")
     if self.algorithm == "ppo" and self.critic.mode == "shared_head" and self.objective.vf_coef <= 0:
       raise ValueError("RLConfig: a shared-head critic (critic.mode 'shared_head') trains through the policy's value "
                        "loss; set objective.vf_coef > 0")
@@ -241,6 +246,15 @@ def zero_variance_groups(traj: Trajectories, returns: np.ndarray) -> np.ndarray:
   np.minimum.at(lo, traj.group[ok], returns[ok])
   return (hi == lo) | (np.bincount(traj.group[ok], minlength=groups) < 2)
 
+
+def silent_groups(traj: Trajectories, invalid_penalty: float, invalid_credit: str) -> np.ndarray:
+  """bool [num groups]: groups whose GRPO update is zero on every row. With episode credit, those of equal returns;
+  with turn credit, those of equal env returns with no invalid turn (each carries its own penalty, rl_batch)."""
+  if invalid_credit == "episode" or not invalid_penalty:
+    return zero_variance_groups(traj, episode_returns(traj, invalid_penalty))
+  invalid = traj.invalid & ~traj.left_out[traj.episode]
+  has_invalid = np.bincount(traj.group[traj.episode[invalid]], minlength=int(traj.group.max()) + 1) > 0
+  return zero_variance_groups(traj, episode_returns(traj, 0.0)) & ~has_invalid
 
 def _mean(x: np.ndarray) -> float:
   return float(x.mean()) if x.size else 0.0
@@ -378,7 +392,7 @@ class PolicyLearner:
     batch = rl_batch(traj, advantage=cfg.advantage, values=values, ref_logp=ref_logp,
                      invalid_penalty=cfg.invalid_penalty, gamma=cfg.gamma, lam=cfg.lam,
                      normalize_std=cfg.normalize_std, whiten_advantages=cfg.whiten_advantages,
-                     episode_weights=cfg.episode_weights, pad_to=cfg.pad_to)
+                     episode_weights=cfg.episode_weights, invalid_credit=cfg.invalid_credit, pad_to=cfg.pad_to)
     return batch, times
 
   def minibatches(self, batch: TokenBatch, rows: np.ndarray, iteration: int, epochs: int, rows_per_step: int):
@@ -439,7 +453,7 @@ class PolicyLearner:
     unparsed = unparsed_rows(traj, self.tokenizer)
     batch, times = self.build_batch(traj)
     returns = episode_returns(traj, cfg.invalid_penalty)
-    flat = zero_variance_groups(traj, returns)
+    flat = silent_groups(traj, cfg.invalid_penalty, cfg.invalid_credit)
     keep = ~traj.left_out[traj.episode]  # rl_batch gives them no loss anyway; this spares their compute
     if cfg.drop_zero_variance_groups and cfg.algorithm == "grpo":
       keep &= ~flat[traj.group[traj.episode]]

@@ -41,6 +41,7 @@ from dreamjax.rl.logprobs import row_positions
 from dreamjax.rollout.trajectory import Trajectories
 
 ADVANTAGES = ("grpo", "gae_turn", "gae_token")
+INVALID_CREDIT = ("episode", "turn")  # where GRPO puts the invalid-action penalty (rl_batch)
 
 
 @flax.struct.dataclass
@@ -130,6 +131,7 @@ def rl_batch(
     normalize_std: bool = True,
     whiten_advantages: bool = False,
     episode_weights: bool = False,
+    invalid_credit: str = "episode",
     pad_to: int = 64,
     row_multiple: int = 1,
 ) -> TokenBatch:
@@ -149,6 +151,13 @@ def rl_batch(
   estimate. `values` [M, T] are aligned values from `LogpScorer(with_values=True)` on the trajectory rows.
   `old_logp` defaults to the rollout's own log-probs; `ref_logp` to zeros (no KL term).
 
+  `invalid_credit` (grpo only): "episode" puts the invalid-action penalty in the episode's return, as above, so it
+  reaches every turn of the episode through the group comparison. "turn" leaves it out of the return (the group
+  compares env rewards only) and subtracts it from the advantage of the invalid turn alone: an immediate, turn-level
+  REINFORCE term with baseline 0, so only invalid actions are pushed down, by `invalid_penalty` each. With episode
+  credit an invalid turn is told apart from the valid turns of its episode only by chance; a policy whose failures
+  are mostly invalid actions (a misspelled item it was asked to copy) gets no signal about which turn was wrong.
+
   `episode_weights`: each turn row's loss weight is scaled by 1 / (its episode's turn rows), times the mean number of
   rows per kept episode (so weights average 1 over rows): every episode weighs the same in the update, as every
   sequence does in single-turn GRPO. Without it an episode weighs as many turns as it took, and where success ends an
@@ -156,6 +165,9 @@ def rl_batch(
   """
   if advantage not in ADVANTAGES:
     raise ValueError(f"rl_batch: unknown advantage {advantage!r}; expected one of {ADVANTAGES}")
+  if invalid_credit not in INVALID_CREDIT or (invalid_credit == "turn" and advantage != "grpo"):
+    raise ValueError(f"rl_batch: invalid_credit {invalid_credit!r} must be one of {INVALID_CREDIT} ('turn' with the "
+                     f"grpo advantage only: GAE already credits the penalty to its turn), got advantage {advantage!r}")
   m, t = traj.tokens.shape
   if values is None and advantage != "grpo":
     raise ValueError(f"rl_batch: advantage {advantage!r} needs critic `values` [M, T] for the trajectory rows")
@@ -168,11 +180,13 @@ def rl_batch(
   ret_rows = np.zeros((m, t), np.float32)
 
   if advantage == "grpo":
+    per_turn = invalid_credit == "turn"
     returns = np.zeros((n,), np.float32)
-    np.add.at(returns, traj.episode, turn_reward)
+    np.add.at(returns, traj.episode, np.asarray(traj.reward, np.float32) if per_turn else turn_reward)
     adv = np.asarray(grpo_advantages(returns, traj.group, (traj.num_turns > 0) & kept,
                                      num_groups=int(traj.group.max()) + 1, normalize_std=normalize_std))
-    adv_rows = adv[traj.episode][:, None] * loss_mask
+    row_adv = adv[traj.episode] - (invalid_penalty * np.asarray(traj.invalid, np.float32) if per_turn else 0.0)
+    adv_rows = row_adv[:, None] * loss_mask
   elif advantage == "gae_turn":
     turn_rows = traj.turn_rows
     on = turn_rows >= 0

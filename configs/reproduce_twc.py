@@ -1,0 +1,110 @@
+"""The twc testbed: TextWorld-Express Commonsense games (one room, two items to put away, 8 steps), a second family
+beside coin11 where the agent's mistakes show in what it observes (docs/testbeds.md).
+
+Why these games: every item and container is in the observation and an item's place follows from its name, so TWX's
+gold-path expert acts on nothing the agent cannot see; its demonstrations can be learned from the prompt. Random play
+over the admissible actions succeeds 0.035 [0.017, 0.070] and the gold path 1.00 on held-out games
+(experiments/headroom_twx.py --maps twc); the tiny policy below reaches 0.39 [0.33, 0.46] after 800 SFT steps.
+
+Held out = unseen games of the train fold (tasks 600-799). TWX's dev games use item names no train game has (none of
+89 dev items is among the 185 of the train games), which a policy trained from scratch cannot read: it scores 0.00
+there. The collection and RL draw from tasks 0-599 only.
+
+Run (CPU, hours: three seeds of every row; rerunning resumes, finished stages are reused):
+       dreamjax reproduce --config configs/reproduce_twc.py
+One seed, GRPO rows only:   --set seeds=0 --set algorithms=grpo
+Tiny (every stage at test size; it checks that they fit together, not what they measure):
+       dreamjax reproduce --config configs/reproduce_twc.py:tiny
+Results: <out_dir>/results.md, results.json, results.svg.
+"""
+
+import dataclasses
+from pathlib import Path
+
+from dreamjax.commands.reproduce import Budgets, ReproduceConfig, on_env
+from dreamjax.config import load_config
+from dreamjax.experience.format import ExpFormatConfig
+from dreamjax.loop.learner import TaskSpec
+from dreamjax.loop.policy_data import PairConfig, RowConfig
+from dreamjax.models import tiny as tiny_model
+from dreamjax.rl.optim import OptimConfig
+from dreamjax.rollout.agent import AgentFormat
+
+HERE = Path(__file__).parent
+TWC = "numLocations=1, numItemsToPutAway=2, includeDoors=0"
+STEP_LIMIT = 8  # the gold path needs 5.7 steps on average
+EXPERTS = ("expert",)
+HELD_OUT_START = 600  # the first train-fold task no collector and no RL run draws
+
+
+def config() -> ReproduceConfig:
+  base = load_config(f"{HERE / 'reproduce_twx.py'}:tiny")
+  cfg = on_env(dataclasses.replace(base, out_dir="runs/reproduce/twc"), env="textworld_express",
+               env_kwargs=(f"step_limit={STEP_LIMIT}",),
+               agent=AgentFormat(think=False, history_turns=2, history_token_budget=256),
+               # The admissible list of a room with a dozen containers takes most of the 768 tokens.
+               rollout=dict(max_turns=STEP_LIMIT, max_action_tokens=16, max_episode_tokens=192, prompt_buckets=(768,)),
+               train=TaskSpec(games=("twc",), split="train", count=HELD_OUT_START, game_params=TWC),
+               held_out=TaskSpec(games=("twc",), split="train", start=HELD_OUT_START, count=200, game_params=TWC))
+  # 8 tasks x 8 episodes (about 450 turn rows), one pass in 128-row steps, the update in two halves (768-token rows).
+  real = dataclasses.replace(cfg.real, iterations=60, eval_every=5, eval_sampled=False, pad_to=768, epochs=1,
+                             tasks_per_iteration=8, micro_batches=2, episode_weights=True,
+                             optim=OptimConfig(lr=3e-4, clip_norm=1.0),
+                             eval_tasks=dataclasses.replace(cfg.real.eval_tasks, count=50))
+  return dataclasses.replace(
+      cfg,
+      # The gold path first: SFT's budget reads the first 4000 transitions of the file, in this order, and so takes
+      # all 600 of its episodes (3407 steps).
+      collect=dataclasses.replace(cfg.collect, policies=("expert:600", "eps0.3:300", "random:200"),
+                                  max_steps=STEP_LIMIT),
+      # 400 steps leave a policy that writes item names remembered from its training games in place of the ones
+      # listed (0.04); by 800 it copies them from the prompt (0.39).
+      sft=dataclasses.replace(
+          cfg.sft, rows=RowConfig(experts=EXPERTS, step_sources=EXPERTS), max_steps=800,
+          optim=dataclasses.replace(cfg.sft.optim, warmup_steps=20, total_steps=800),
+          eval=dataclasses.replace(cfg.sft.eval, num_tasks=50, every_steps=400, train_tasks=0)),
+      dpo=dataclasses.replace(cfg.dpo, pairs=PairConfig(chosen_policies=EXPERTS, rejected_policies=("random", "eps0.3"),
+                                                        max_pairs_per_task=2)),
+      exp=dataclasses.replace(
+          cfg.exp, format=ExpFormatConfig(reasoning=True, k=1, max_history=2),
+          model=dataclasses.replace(cfg.exp.model, tiny=tiny_model(
+              "qwen2", vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=3, num_heads=4,
+              num_kv_heads=2, head_dim=32)),
+          # 500 steps (0.6 epochs) leave an M_exp that writes remembered item names too: exact match 0.00.
+          optim=OptimConfig(lr=3e-3, warmup_steps=30, schedule="cosine", total_steps=1600, end_lr_factor=0.1),
+          steps=1600, max_len=1280),
+      real=real,
+      # DreamGym trains exactly as real-env RL does, in M_exp's episodes.
+      dreamgym=dataclasses.replace(cfg.dreamgym, reasoning=True,
+                                   rl=dataclasses.replace(real, out_dir=cfg.dreamgym.rl.out_dir)),
+      ablations=("no_replay", "no_reasoning", "no_task_generation", "no_curriculum"),
+      budgets=Budgets(sft=4000, dpo=8000, real_rl=16000, s2r=1000),
+      eval=dataclasses.replace(cfg.eval, batch=40, sampled=False),
+  )
+
+
+def tiny() -> ReproduceConfig:
+  """Every stage of `config()` at test size (a few episodes, a few steps, one seed): it checks that the testbed's
+  stages fit together, not what they measure."""
+  cfg = config()
+  real = dataclasses.replace(cfg.real, iterations=2, eval_every=0, tasks_per_iteration=2,
+                             eval_tasks=dataclasses.replace(cfg.real.eval_tasks, count=4))
+  return dataclasses.replace(
+      cfg,
+      collect=dataclasses.replace(cfg.collect, policies=("expert:16", "eps0.3:8", "random:8")),
+      sft=dataclasses.replace(cfg.sft, max_steps=20, optim=dataclasses.replace(cfg.sft.optim, warmup_steps=2,
+                                                                                total_steps=20),
+                              eval=dataclasses.replace(cfg.sft.eval, num_tasks=4, every_steps=0)),
+      dpo=dataclasses.replace(cfg.dpo, eval=dataclasses.replace(cfg.dpo.eval, num_tasks=4), epochs=1),
+      exp=dataclasses.replace(cfg.exp, steps=20, optim=dataclasses.replace(cfg.exp.optim, warmup_steps=2,
+                                                                             total_steps=20)),
+      real=real,
+      dreamgym=dataclasses.replace(cfg.dreamgym, rl=dataclasses.replace(cfg.dreamgym.rl, iterations=2, eval_every=0,
+                                                                         tasks_per_iteration=2,
+                                                                         eval_tasks=real.eval_tasks)),
+      ablations=("no_reasoning",),
+      budgets=Budgets(sft=100, dpo=200, real_rl=400, s2r=25),
+      eval=dataclasses.replace(cfg.eval, tasks=dataclasses.replace(cfg.eval.tasks, count=8)),
+      seeds=(0,),
+      out_dir="runs/reproduce/twc_tiny",
+  )
