@@ -23,7 +23,7 @@ Results: <out_dir>/results.md, results.json, results.svg.
 import dataclasses
 from pathlib import Path
 
-from dreamjax.commands.reproduce import Budgets, ReproduceConfig, on_env
+from dreamjax.commands.reproduce import Budgets, ReproduceConfig, at_test_size, on_env
 from dreamjax.config import load_config
 from dreamjax.experience.format import ExpFormatConfig
 from dreamjax.loop.learner import TaskSpec
@@ -87,27 +87,6 @@ def config() -> ReproduceConfig:
 
 
 def tiny() -> ReproduceConfig:
-  """Every stage of `config()` at test size (a few episodes, a few steps, one seed): it checks that the testbed's
-  stages fit together, not what they measure."""
-  cfg = config()
-  real = dataclasses.replace(cfg.real, iterations=2, eval_every=0, tasks_per_iteration=2,
-                             eval_tasks=dataclasses.replace(cfg.real.eval_tasks, count=4))
-  return dataclasses.replace(
-      cfg,
-      collect=dataclasses.replace(cfg.collect, policies=("explorer-eps0.3:8", "explorer:16", "random:8")),
-      sft=dataclasses.replace(cfg.sft, max_steps=20, optim=dataclasses.replace(cfg.sft.optim, warmup_steps=2,
-                                                                                total_steps=20),
-                              eval=dataclasses.replace(cfg.sft.eval, num_tasks=4, every_steps=0)),
-      dpo=dataclasses.replace(cfg.dpo, eval=dataclasses.replace(cfg.dpo.eval, num_tasks=4), epochs=1),
-      exp=dataclasses.replace(cfg.exp, steps=20, optim=dataclasses.replace(cfg.exp.optim, warmup_steps=2,
-                                                                             total_steps=20)),
-      real=real,
-      dreamgym=dataclasses.replace(cfg.dreamgym, rl=dataclasses.replace(cfg.dreamgym.rl, iterations=2, eval_every=0,
-                                                                         tasks_per_iteration=2,
-                                                                         eval_tasks=real.eval_tasks)),
-      ablations=("no_reasoning",),
-      budgets=Budgets(sft=100, dpo=200, real_rl=400, s2r=25),
-      eval=dataclasses.replace(cfg.eval, tasks=dataclasses.replace(cfg.eval.tasks, count=8)),
-      seeds=(0,),
-      out_dir="runs/reproduce/coin11_tiny",
-  )
+  """Every stage of `config()` at test size: it checks that the testbed's stages fit together, not what they
+  measure."""
+  return at_test_size(config(), policies=("explorer-eps0.3:8", "explorer:16", "random:8"), out_dir="runs/reproduce/coin11_tiny")

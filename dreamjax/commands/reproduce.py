@@ -164,6 +164,33 @@ def for_slow_env(cfg: ReproduceConfig, *, iterations: int, group_size: int, chec
       real=cfg.real and rl(cfg.real), dreamgym=cfg.dreamgym and dataclasses.replace(cfg.dreamgym, rl=rl(cfg.dreamgym.rl)),
       eval=dataclasses.replace(cfg.eval, sampled=False))
 
+def at_test_size(cfg: ReproduceConfig, *, policies: tuple[str, ...], out_dir: str) -> ReproduceConfig:
+  """A testbed's every stage at test size (the collectors' `policies`, a few steps, 2 RL iterations of 2 tasks, one
+  seed, the reasoning ablation only): it checks that the stages fit together, not what they measure."""
+  def rl(c: RLConfig) -> RLConfig:
+    return dataclasses.replace(c, iterations=2, eval_every=0, tasks_per_iteration=2,
+                               eval_tasks=dataclasses.replace(c.eval_tasks, count=4))
+
+  def steps(optim):
+    return dataclasses.replace(optim, warmup_steps=2, total_steps=20)
+
+  return dataclasses.replace(
+      cfg,
+      collect=dataclasses.replace(cfg.collect, policies=policies),
+      sft=dataclasses.replace(cfg.sft, max_steps=20, optim=steps(cfg.sft.optim),
+                              eval=dataclasses.replace(cfg.sft.eval, num_tasks=4, every_steps=0)),
+      dpo=dataclasses.replace(cfg.dpo, eval=dataclasses.replace(cfg.dpo.eval, num_tasks=4), epochs=1),
+      exp=dataclasses.replace(cfg.exp, steps=20, optim=steps(cfg.exp.optim)),
+      real=rl(cfg.real),
+      dreamgym=dataclasses.replace(cfg.dreamgym, rl=rl(cfg.dreamgym.rl)),
+      ablations=("no_reasoning",),
+      budgets=Budgets(sft=100, dpo=200, real_rl=400, s2r=25),
+      eval=dataclasses.replace(cfg.eval, tasks=dataclasses.replace(cfg.eval.tasks, count=8)),
+      seeds=(0,),
+      out_dir=out_dir,
+  )
+
+
 # The fields that make a run PPO rather than GRPO: what a PPO row takes from `ReproduceConfig.ppo`.
 ALGORITHM_FIELDS = ("algorithm", "objective", "critic", "advantage", "gamma", "lam", "normalize_std",
                     "whiten_advantages", "drop_zero_variance_groups", "optim", "epochs")
