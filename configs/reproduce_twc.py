@@ -11,7 +11,7 @@ Held out = unseen games of the train fold (tasks 600-799). TWX's dev games use i
 there. The collection and RL draw from tasks 0-599 only.
 
 Run:  dreamjax reproduce --config configs/reproduce_twc.py        (CPU, hours; writes <out_dir>/results.md, .json, .svg)
-Tiny: dreamjax reproduce --config configs/reproduce_twc.py:tiny   (every stage at test size; about 50 min on one core)
+Tiny: dreamjax reproduce --config configs/reproduce_twc.py:tiny   (every stage at test size; 47 min on one shared core)
 """
 
 import dataclasses
