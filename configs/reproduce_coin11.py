@@ -89,4 +89,5 @@ def config() -> ReproduceConfig:
 def tiny() -> ReproduceConfig:
   """Every stage of `config()` at test size: it checks that the testbed's stages fit together, not what they
   measure."""
-  return at_test_size(config(), policies=("explorer-eps0.3:8", "explorer:16", "random:8"), out_dir="runs/reproduce/coin11_tiny")
+  return at_test_size(config(), policies=("explorer-eps0.3:8", "explorer:16", "random:8"),
+                      out_dir="runs/reproduce/coin11_tiny")

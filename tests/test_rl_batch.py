@@ -87,7 +87,6 @@ def test_grpo_advantages_on_action_tokens_with_invalid_penalty():
     check_on_actions(np.asarray(b0.advantages)[:, :T], [(centred, -centred, -0.5, 0.5)[r[0]] for r in TURNS])
 
 
-
 def test_turn_credit_puts_the_invalid_penalty_on_the_invalid_turn_alone():
   """Groups compare env rewards only: group 0 (1, 0) centres to +-0.5 like group 1, and the invalid turn (row 2,
   episode 1's only turn) gets the penalty on top of its episode's advantage; every other row is as without it."""
@@ -118,6 +117,7 @@ def test_silent_groups_are_those_whose_update_is_zero_on_every_row():
     assert np.asarray(b.advantages)[rows_of_group == 0].any() and not np.asarray(b.advantages)[rows_of_group == 1].any()
   with pytest.raises(ValueError, match="RLConfig.invalid_credit must be one of"):
     as_ppo(RLConfig(), invalid_credit="turn")
+
 
 @pytest.mark.parametrize("advantage", ["grpo", "gae_turn", "gae_token"])
 def test_env_failed_episodes_are_left_out(advantage):

@@ -50,7 +50,6 @@ def test_coin11_points_every_stage_at_the_door_games(variant):
     assert len(cfg.ablations) == 4 and cfg.eval.tasks.count == 200
 
 
-
 @pytest.mark.parametrize("variant", ["", ":tiny"])
 def test_twc_trains_and_scores_on_disjoint_games_of_one_fold(variant):
   cfg = load_config(f"configs/reproduce_twc.py{variant}")

@@ -164,6 +164,7 @@ def for_slow_env(cfg: ReproduceConfig, *, iterations: int, group_size: int, chec
       real=cfg.real and rl(cfg.real), dreamgym=cfg.dreamgym and dataclasses.replace(cfg.dreamgym, rl=rl(cfg.dreamgym.rl)),
       eval=dataclasses.replace(cfg.eval, sampled=False))
 
+
 def at_test_size(cfg: ReproduceConfig, *, policies: tuple[str, ...], out_dir: str) -> ReproduceConfig:
   """A testbed's every stage at test size (the collectors' `policies`, a few steps, 2 RL iterations of 2 tasks, one
   seed, the reasoning ablation only): it checks that the stages fit together, not what they measure."""

@@ -256,6 +256,7 @@ def silent_groups(traj: Trajectories, invalid_penalty: float, invalid_credit: st
   has_invalid = np.bincount(traj.group[traj.episode[invalid]], minlength=int(traj.group.max()) + 1) > 0
   return zero_variance_groups(traj, episode_returns(traj, 0.0)) & ~has_invalid
 
+
 def _mean(x: np.ndarray) -> float:
   return float(x.mean()) if x.size else 0.0
 
