@@ -20,7 +20,7 @@ from dreamjax.loop.evaluate import evaluate
 from dreamjax.models import Transformer, init_params, tiny
 from dreamjax.rl.batch import rl_batch
 from dreamjax.rollout.agent import INVALID_ANSWER, AgentFormat, build_turn_prompt, format_answer, parse_answer, user_text
-from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
+from dreamjax.rollout.engine import RolloutConfig, RolloutEngine, forced_tokens
 from dreamjax.sampling import SpeculativeConfig, sampling_params, speculation_rates
 from dreamjax.text import Kind, train_bpe_tokenizer
 
@@ -283,6 +283,54 @@ def test_bad_configs_are_clear_errors(twx, tok, policy_cfg, random_params, far_t
     RolloutEngine(policy_cfg, tok, FMT, RolloutConfig(prompt_buckets=(1024,)))
   with pytest.raises(ValueError, match="no tasks"):
     engine.run(random_params, twx, [], jax.random.key(0))
+
+
+def test_constrained_rollouts_only_take_admissible_actions(twx, tok, policy_cfg, random_params, far_tasks):
+  """With constrain_actions a random policy, which never answers in the format unconstrained, answers every turn
+  with one of its admissible actions exactly as SFT would write it; the log-probs are the model's unrestricted ones
+  (what the update recomputes); and KV reuse with grouped prefill changes nothing."""
+  base = dataclasses.replace(RANDOM_CFG, max_action_tokens=24, max_episode_tokens=96, constrain_actions=True)
+  runs = {on: RolloutEngine(policy_cfg, tok, FMT, dataclasses.replace(base, kv_reuse=on, group_prefill=on)).run(
+      random_params, twx, far_tasks[:2], jax.random.key(5)) for on in (False, True)}
+  traj = runs[False]
+  assert traj.stats["parse_failures"] == 0 and not traj.truncated.any()
+  chosen = set()
+  for e, record in enumerate(traj.records):
+    for j, step in enumerate(record.steps):
+      assert step.action in step.admissible, step.action
+      chosen.add(step.action)
+      row = traj.turn_rows[e, j]
+      answer = traj.tokens[row, traj.prompt_lengths[row]:traj.lengths[row]]
+      assert tok.decode(answer[:-1]) == format_answer(step.action) and answer[-1] in (tok.chat_format.end_of_turn,)
+  assert len(chosen) >= 3  # a random policy spreads over the actions
+  # Forced tokens (the end-of-turn after "</action>" always is) leave the loss; the choices were real elsewhere.
+  action = traj.kinds == Kind.ACTION
+  assert not (traj.loss_mask.astype(bool) & ~action).any()
+  assert traj.stats["forced_tokens"] == action.sum() - traj.loss_mask.sum() > 0
+  last = traj.tokens[np.arange(traj.num_rows), traj.lengths - 1]
+  assert (last == tok.chat_format.end_of_turn).all() and (traj.loss_mask[np.arange(traj.num_rows),
+                                                                           traj.lengths - 1] == 0).all()
+  assert (traj.loss_mask.sum(1) >= 1).all()
+  t = traj.tokens.shape[1]
+  valid = np.arange(t)[None] < traj.lengths[:, None]
+  logits = Transformer(policy_cfg).apply({"params": random_params}, traj.tokens,
+                                         jnp.broadcast_to(jnp.arange(t), traj.tokens.shape), valid).logits
+  recomputed = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits[:, :-1], -1)), traj.tokens[:, 1:, None],
+                                  -1)[..., 0]
+  m = traj.loss_mask[:, 1:] == 1
+  np.testing.assert_allclose(traj.rollout_logp[:, 1:][m], recomputed[m], atol=2e-5, rtol=0)
+  for name in ("tokens", "lengths", "reward", "invalid"):
+    np.testing.assert_array_equal(getattr(runs[True], name), getattr(traj, name), err_msg=name)
+  with pytest.raises(ValueError, match="constrain_actions .* needs AgentFormat.think=False"):
+    RolloutEngine(policy_cfg, tok, dataclasses.replace(FMT, think=True), base)
+
+
+def test_forced_tokens_are_those_with_one_allowed_continuation():
+  choices = np.array([[5, 6, 7, 2], [5, 6, 8, 2], [9, 2, -1, -1], [-1, -1, -1, -1]], np.int32)
+  np.testing.assert_array_equal(forced_tokens(choices, np.array([5, 6, 8, 2])), [False, True, False, True])
+  np.testing.assert_array_equal(forced_tokens(choices, np.array([9, 2])), [False, True])
+  np.testing.assert_array_equal(forced_tokens(choices[:1], np.array([5, 6, 7, 2])), [True] * 4)
+  np.testing.assert_array_equal(forced_tokens(choices[3:], np.array([4, 4])), [False, False])  # not limited
 
 
 def _sft(cfg, tok, expert_turns, steps: int, lr: float):

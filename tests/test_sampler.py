@@ -1,4 +1,5 @@
-"""The jitted sampler: exactness of greedy and log-probs, padding, stop sequences, budgets, keys, recompilation."""
+"""The jitted sampler: exactness of greedy and log-probs, padding, stop sequences, budgets, keys, recompilation, and
+sampling within choices (the distribution, the log-probs, KV reuse, a mesh)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +7,8 @@ import numpy as np
 import pytest
 
 from dreamjax.models import Transformer, init_params, tiny
-from dreamjax.sampling import Sampler, left_pad, sampling_params, truncation_mask
+from dreamjax.parallel import SAMPLE_RULES, MeshConfig, make_mesh
+from dreamjax.sampling import KVReuse, Sampler, SpeculativeConfig, left_pad, sampling_params, truncation_mask
 from dreamjax.sampling.logits import _inverse_cdf
 
 CFG = tiny("qwen2", vocab_size=300)
@@ -191,3 +193,110 @@ def test_left_pad_aligns_prompts_right_and_gives_missing_rows_a_dummy():
   assert tokens.dtype == np.int32 and mask.dtype == bool
   same, _ = left_pad([[5, 6, 7], [1, 2]], rows=2, width=3, pad_id=0)
   np.testing.assert_array_equal(same, [[5, 6, 7], [0, 1, 2]])
+
+
+# Choices: each row may only produce one of a few whole token sequences (the engine's admissible actions).
+STOP = 2
+CHOICES = [[[11, 12, STOP], [11, 13, STOP], [14, STOP, -1]],  # two share a first token
+           [[20, STOP, -1], [-1, -1, -1], [-1, -1, -1]],  # one choice only
+           [[-1, -1, -1]] * 3,  # not limited
+           [[30, 31, 32], [30, 33, STOP], [-1, -1, -1]]]  # one choice runs past the budget of 3
+
+
+def _choices(rows=CHOICES, width=N):
+  out = np.full((len(rows), 4, width), -1, np.int32)
+  for r, row in enumerate(rows):
+    for i, choice in enumerate(row):
+      out[r, i, :len(choice)] = choice
+  return out
+
+
+def test_choices_limit_each_row_and_leave_the_others_alone(params, sampler):
+  tokens, mask, _ = prompts("left")
+  free = sampler(params, tokens, mask, jax.random.key(4), sampling_params(4, [N, N, N, 3], stop=[[STOP]]))
+  seen = [set() for _ in range(4)]
+  for seed in range(12):
+    key = jax.random.key(seed)
+    out = sampler(params, tokens, mask, key, sampling_params(4, [N, N, N, 3], stop=[[STOP]]), choices=_choices())
+    for r in (0, 1, 3):
+      got = list(np.asarray(out.tokens[r, :out.lengths[r]]))
+      assert got in [[t for t in c if t >= 0] for c in CHOICES[r] if c[0] >= 0], (r, got)
+      seen[r].add(tuple(got))
+    assert out.stopped[0] and out.stopped[1]
+    if seed == 4:  # the unlimited row is the plain call's, token for token
+      np.testing.assert_array_equal(out.tokens[2], free.tokens[2])
+      np.testing.assert_allclose(out.logps[2], free.logps[2], rtol=1e-6)
+  assert len(seen[0]) == 3 and len(seen[3]) == 2  # every choice is reachable
+
+
+def test_choices_log_probs_are_the_models_and_greedy_takes_the_best_allowed_token(params, sampler):
+  tokens, mask, rows = prompts("right")
+  out = sampler(params, tokens, mask, jax.random.key(0), sampling_params(4, N, temperature=0.7, stop=[[STOP]]),
+                choices=_choices())
+  greedy = sampler(params, tokens, mask, jax.random.key(0), sampling_params(4, N, temperature=0.0, stop=[[STOP]]),
+                   choices=_choices())
+  apply = jax.jit(Transformer(CFG).apply)
+  for i in (0, 1, 3):
+    n = int(out.lengths[i])
+    seq = np.concatenate([rows[i], np.asarray(out.tokens[i, :n])])[None]
+    logits = apply({"params": params}, seq, np.arange(seq.shape[1])[None], np.ones_like(seq, bool)).logits[0]
+    logp = np.asarray(jax.nn.log_softmax(logits[len(rows[i]) - 1:-1] / 0.7))
+    np.testing.assert_allclose(out.logps[i, :n], logp[np.arange(n), np.asarray(out.tokens[i, :n])], rtol=1e-5,
+                               atol=1e-5)
+  # Greedy row 0: the first token is whichever of 11 and 14 the model prefers; after 11, the better of 12 and 13.
+  first = _last_logits(params, np.pad(rows[0], (0, N))[None], len(rows[0]))
+  want = [11 if first[11] > first[14] else 14]
+  if want[0] == 11:
+    seq = np.pad(np.append(rows[0], 11), (0, N))[None]
+    second = _last_logits(params, seq, len(rows[0]) + 1)
+    want.append(12 if second[12] > second[13] else 13)
+  assert list(np.asarray(greedy.tokens[0, :greedy.lengths[0]])) == want + [STOP]
+
+
+def test_choices_are_drawn_with_the_renormalised_model_probabilities(params):
+  """Row 0's three choices, sampled 4000 times: each one's frequency is the product, over its tokens, of the model's
+  probability renormalised over the tokens the still-matching choices allow."""
+  rows, n = 4000, 3
+  prompt = prompts("right")[2][0]
+  sampler = Sampler(CFG, max_new_tokens=n, pad_id=0)
+  tokens = np.tile(prompt, (rows, 1)).astype(np.int32)
+  choices = np.tile(_choices(CHOICES[:1], n), (rows, 1, 1))
+  out = sampler(params, tokens, np.ones_like(tokens, bool), jax.random.key(1), sampling_params(rows, n, stop=[[STOP]]),
+                choices=choices)
+  got = [tuple(np.asarray(out.tokens[r, :out.lengths[r]])) for r in range(rows)]
+  p0 = np.exp(np.asarray(jax.nn.log_softmax(_last_logits(params, np.pad(prompt, (0, n))[None], len(prompt)))))
+  after = _last_logits(params, np.pad(np.append(prompt, 11), (0, n))[None], len(prompt) + 1)
+  p1 = np.exp(np.asarray(jax.nn.log_softmax(after)))
+  first = p0[11] / (p0[11] + p0[14])
+  want = {(11, 12, STOP): first * p1[12] / (p1[12] + p1[13]), (11, 13, STOP): first * p1[13] / (p1[12] + p1[13]),
+          (14, STOP): 1 - first}
+  for choice, p in want.items():
+    freq = got.count(choice) / rows
+    assert abs(freq - p) < 4 * np.sqrt(p * (1 - p) / rows) + 1e-3, (choice, freq, p)
+
+
+def test_choices_with_kv_reuse_equal_the_plain_call_and_speculation_refuses_them(params, sampler):
+  tokens, mask, _ = prompts("left")
+  sp = sampling_params(4, [N, N, N, 3], stop=[[STOP]])
+  plain = sampler(params, tokens, mask, jax.random.key(2), sp, choices=_choices())
+  reused = sampler(params, tokens, mask, jax.random.key(2), sp, choices=_choices(), reuse=KVReuse())
+  np.testing.assert_array_equal(np.asarray(reused.tokens), np.asarray(plain.tokens))
+  np.testing.assert_allclose(reused.logps, plain.logps, rtol=1e-5, atol=1e-5)
+  spec = Sampler(CFG, max_new_tokens=N, pad_id=0, speculative=SpeculativeConfig(draft_tokens=2))
+  with pytest.raises(ValueError, match="choices need plain decoding"):
+    spec(params, tokens, mask, jax.random.key(2), sp, choices=_choices())
+  with pytest.raises(ValueError, match="choices must be"):
+    sampler(params, tokens, mask, jax.random.key(2), sp, choices=_choices()[:2])
+
+
+def test_choices_on_a_mesh_equal_one_device(params, sampler):
+  mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+  on_mesh = Sampler(CFG, max_new_tokens=N, pad_id=0, mesh=mesh, rules=SAMPLE_RULES)
+  sharded = jax.device_put(params, on_mesh.param_shardings())
+  tokens, mask, _ = prompts("left")
+  sp = sampling_params(4, [N, N, N, 3], stop=[[STOP]])
+  want = sampler(params, tokens, mask, jax.random.key(6), sp, choices=_choices())
+  for reuse in (None, KVReuse()):
+    got = on_mesh(sharded, tokens, mask, jax.random.key(6), sp, choices=_choices(), reuse=reuse)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_allclose(np.asarray(got.logps), np.asarray(want.logps), rtol=1e-5, atol=1e-5)

@@ -48,6 +48,13 @@ the same tokens and log-probs to float32 rounding. What that saves depends on th
 the system message and the task line carry over; `stats["prefilled_tokens"]` against `stats["prompt_tokens"]` says
 how much was prefilled.
 
+`RolloutConfig.constrain_actions` makes every answer one of the row's admissible actions: the sampler gets each
+action's answer ids (`format_answer` plus the closing, what SFT trained the policy to emit) as the row's choices and
+draws only tokens that continue one of them (dreamjax/sampling/sampler.py), so a misspelt copy of an action cannot
+happen and a group's rollouts differ only in which actions they chose. The recorded log-probs stay the model's own;
+docs/paper_map.md ("Admissible-action decoding") says how the update treats them. It needs answers without a think
+block and plain decoding; rows whose env lists no admissible actions are not limited.
+
 The engine sees the env only through the BatchEnv protocol, so real envs, env pools and the experience model's
 SyntheticEnv are driven the same way.
 """
@@ -67,7 +74,14 @@ from dreamjax.data.records import StepRecord, TrajectoryRecord
 from dreamjax.envs.base import BatchEnv, Observation, StepResult, Task, env_failed
 from dreamjax.models.config import ModelConfig
 from dreamjax.parallel.distributed import to_host
-from dreamjax.rollout.agent import INVALID_ANSWER, AgentFormat, build_turn_prompt, fit_turn_prompt, parse_answer
+from dreamjax.rollout.agent import (
+    INVALID_ANSWER,
+    AgentFormat,
+    build_turn_prompt,
+    fit_turn_prompt,
+    format_answer,
+    parse_answer,
+)
 from dreamjax.rollout.trajectory import Trajectories
 from dreamjax.sampling import KVReuse, Sampler, SpeculativeConfig, count_speculation, left_pad, sampling_params
 from dreamjax.text import Kind, SegmentBuilder, Tokenizer
@@ -86,6 +100,7 @@ class RolloutConfig:
   speculative: SpeculativeConfig = SpeculativeConfig()  # copy-speculative decoding (draft_tokens 0: off)
   group_prefill: bool = False  # prefill a group's prompt once when its G rows' prompts are equal (module docstring)
   kv_reuse: bool = False  # keep each row's KV cache between turns and prefill only what it lacks (module docstring)
+  constrain_actions: bool = False  # answer with one of the admissible actions, always (module docstring)
 
   def __post_init__(self):
     for name in ("group_size", "max_turns", "max_action_tokens", "max_episode_tokens"):
@@ -102,6 +117,7 @@ class _Turn:
   prompt_kinds: np.ndarray  # int32
   sampled: np.ndarray  # int32 ids, stop token included
   logps: np.ndarray  # float32
+  forced: np.ndarray  # bool per sampled id: the row's choices allowed no other token there (constrain_actions)
   reward: float
   done: bool
   invalid: bool
@@ -126,6 +142,18 @@ class _Episode:
   score: float | None = None
   env_error: bool = False  # the env failed (dreamjax.envs.base.ENV_ERROR) on the last turn
   budget_cut: bool = False  # the run's env-step budget ran out before the episode ended
+
+
+def forced_tokens(choices: np.ndarray, ids: np.ndarray) -> np.ndarray:
+  """Per sampled id, whether `choices` [C, L] (one row of the sampler's, -1 padded) allowed only that token there,
+  given the ids before it; all False for a row without choices."""
+  matching = choices[:, 0] >= 0
+  out = np.zeros(len(ids), bool)
+  for j, token in enumerate(ids[:choices.shape[1]]):
+    column = choices[:, j]
+    out[j] = len(np.unique(column[matching & (column >= 0)])) == 1
+    matching &= column == token
+  return out
 
 
 def _row_keys(key: jax.Array, turn: jax.Array, rows: int) -> jax.Array:
@@ -158,7 +186,11 @@ class RolloutEngine:
                        "speculative settings")
     self.sampler = sampler or Sampler(policy_cfg, rollout_cfg.max_action_tokens, pad_id=tokenizer.pad_id, mesh=mesh,
                                       speculative=rollout_cfg.speculative)
+    if rollout_cfg.constrain_actions and (agent_format.think or rollout_cfg.speculative.draft_tokens):
+      raise ValueError("RolloutEngine: constrain_actions limits the whole answer to an admissible action, so it needs "
+                       "AgentFormat.think=False and plain decoding (RolloutConfig.speculative.draft_tokens=0)")
     self.stop_ids = tuple(dict.fromkeys((tokenizer.chat_format.end_of_turn, *tokenizer.eos_ids)))
+    self._answers: dict[str, tuple[int, ...]] = {}  # admissible action -> its answer ids (constrain_actions)
     self._frame = np.full(len(tokenizer.chat_format.generation_prompt), Kind.ACTION_FRAME, np.int32)
 
   def turn_prompt(self, instruction: str, step: int, history: Sequence[tuple[str, str]], state: str,
@@ -182,7 +214,8 @@ class RolloutEngine:
       raise ValueError("RolloutEngine.run: no tasks")
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
       key = jax.random.wrap_key_data(key)
-    stats = dict(sample_s=0.0, env_s=0.0, turns=0, sampled_tokens=0, parse_failures=0, env_invalid=0, env_errors=0,
+    stats = dict(sample_s=0.0, env_s=0.0, turns=0, sampled_tokens=0, forced_tokens=0, parse_failures=0, env_invalid=0,
+                 env_errors=0,
                  budget_cut=0, grouped_turns=0, prompt_tokens=0, prefilled_tokens=0, buckets=set())
     reuse = KVReuse() if cfg.kv_reuse else None  # one per run: a run's draws never depend on an earlier run
     steps_left = max_env_steps if max_env_steps > 0 else None
@@ -224,6 +257,9 @@ class RolloutEngine:
       # to_host: with several processes the rows are sharded over all of them, and every process needs every row
       # (`group` and `reuse` only when used: stand-in samplers of tests and tools take the plain call's arguments)
       extra = ({"group": group} if group > 1 else {}) | ({"reuse": reuse} if reuse is not None else {})
+      choices = self._choices(eps, prompts) if cfg.constrain_actions else None
+      if choices is not None:
+        extra["choices"] = choices
       before = reuse.prefilled if reuse is not None else 0
       out = to_host(self.sampler(params, tokens, mask, keys, sp.replace(max_new_tokens=jnp.asarray(budget)),
                                  **extra))
@@ -240,8 +276,10 @@ class RolloutEngine:
         ids = np.asarray(out.tokens[r, :out.lengths[r]], np.int32)
         stopped = bool(out.stopped[r])
         text = tok.decode(ids[:-1] if stopped else ids)
-        answers[r] = (ids, np.asarray(out.logps[r, :len(ids)], np.float32), stopped, text, parse_answer(text))
-        actions[r] = answers[r][4].action
+        forced = forced_tokens(choices[r], ids) if choices is not None else np.zeros(len(ids), bool)
+        stats["forced_tokens"] += int(forced.sum())
+        answers[r] = (ids, np.asarray(out.logps[r, :len(ids)], np.float32), forced, stopped, text, parse_answer(text))
+        actions[r] = answers[r][5].action
       if steps_left is not None:  # rows past the budget, in row order, are cut before their action reaches the env
         stepping = [r for r in live if actions[r] is not None]
         for r in stepping[steps_left:]:
@@ -258,7 +296,7 @@ class RolloutEngine:
           raise RuntimeError(f"RolloutEngine.run: env.step_batch returned {len(results)} results for {n} rows")
 
       for r in live:
-        ids, logps, stopped, text, parsed = answers[r]
+        ids, logps, forced, stopped, text, parsed = answers[r]
         ep = eps[r]
         builder = builders[r]
         prompt_kinds = np.concatenate([np.asarray(builder.kinds, np.int32), self._frame])
@@ -278,7 +316,8 @@ class RolloutEngine:
           action, next_obs, next_state = parsed.action, res.observation, res.observation.state
           score = res.info.get("score") if res.info else None
           ep.score = float(score) if isinstance(score, int | float) and not isinstance(score, bool) else ep.score
-        ep.turns.append(_Turn(prompts[r], prompt_kinds, ids, logps, reward, done, invalid, truncated=not stopped))
+        ep.turns.append(_Turn(prompts[r], prompt_kinds, ids, logps, forced, reward, done, invalid,
+                              truncated=not stopped))
         ep.steps.append(StepRecord(ep.state, action, next_state, reward, done, success, invalid, ep.admissible,
                                    "policy"))
         ep.history.append((ep.state, parsed.action if parsed.action is not None else INVALID_ANSWER))
@@ -299,6 +338,28 @@ class RolloutEngine:
     stats.update(episodes=n, rows=traj.num_rows, buckets=sorted(stats["buckets"]),
                  compilations=self.sampler.compilations(), assemble_s=time.perf_counter() - t0)
     return dataclasses.replace(traj, stats=stats)
+
+  def _choices(self, eps: list[_Episode], rows) -> np.ndarray:
+    """The sampler's choices [N, C, max_action_tokens]: each of `rows`' admissible actions as the answer ids a policy
+    emits for it (`format_answer` and the closing), -1 elsewhere. C is a power of two (at least 8), so the sampler
+    compiles for a few widths only. An answer longer than the budget is cut, and running out of budget is then a
+    truncated, unparsed answer, as it is without choices; a row with no admissible actions is not limited."""
+    width = self.cfg.max_action_tokens
+    per_row = {r: [self._answer_ids(a) for a in eps[r].admissible] for r in rows}
+    most = max([len(c) for c in per_row.values()] + [1])
+    out = np.full((len(eps), max(8, 1 << (most - 1).bit_length()), width), -1, np.int32)
+    for r, answers in per_row.items():
+      for i, ids in enumerate(answers):
+        out[r, i, :min(len(ids), width)] = ids[:width]
+    return out
+
+  def _answer_ids(self, action: str) -> tuple[int, ...]:
+    if action not in self._answers:
+      try:
+        self._answers[action] = SegmentBuilder(self.tokenizer).answer_ids(format_answer(action))
+      except ValueError:  # an action holding an answer tag: no answer parses back to it, so it is no choice
+        self._answers[action] = ()
+    return self._answers[action]
 
   def _prefill_group(self, tokens: np.ndarray, mask: np.ndarray) -> int:
     """G when `group_prefill` is on and every group's G rows have one prompt (finished rows' dummy prompts are
@@ -321,12 +382,14 @@ class RolloutEngine:
     width = max([len(t.prompt) + len(t.sampled) for _, _, t in turns] + [1])
     tokens = np.full((m, width), self.tokenizer.pad_id, np.int32)
     kinds = np.full((m, width), Kind.PAD, np.int32)
+    forced = np.zeros((m, width), bool)
     logp = np.zeros((m, width), np.float32)
     turn_rows = np.full((len(eps), self.cfg.max_turns), -1, np.int32)
     for row, (e, t, turn) in enumerate(turns):
       p, s = len(turn.prompt), len(turn.sampled)
       tokens[row, :p], tokens[row, p:p + s] = turn.prompt, turn.sampled
       kinds[row, :p], kinds[row, p:p + s] = turn.prompt_kinds, Kind.ACTION
+      forced[row, p:p + s] = turn.forced
       logp[row, p:p + s] = turn.logps
       turn_rows[e, t] = row
     prompt_lengths = np.asarray([len(t.prompt) for _, _, t in turns], np.int32).reshape(m)
@@ -334,7 +397,7 @@ class RolloutEngine:
     run_id = hashlib.blake2b(np.asarray(jax.random.key_data(key)).tobytes(), digest_size=6).hexdigest()
     records = tuple(self._record(ep, r, run_id, policy_version) for r, ep in enumerate(eps))
     return Trajectories(
-        tokens=tokens, kinds=kinds, loss_mask=(kinds == Kind.ACTION).astype(np.int32), rollout_logp=logp,
+        tokens=tokens, kinds=kinds, loss_mask=((kinds == Kind.ACTION) & ~forced).astype(np.int32), rollout_logp=logp,
         lengths=prompt_lengths + col(lambda t: len(t.sampled), np.int32), prompt_lengths=prompt_lengths,
         episode=np.asarray([e for e, _, _ in turns], np.int32).reshape(m),
         turn=np.asarray([t for _, t, _ in turns], np.int32).reshape(m),

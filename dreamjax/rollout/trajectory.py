@@ -6,8 +6,10 @@ prompt ids exactly as the sampler consumed them followed by the sampled action i
 re-tokenised between rollout and update, so `rollout_logp` lines up with what the update recomputes.
 
 Alignment: `rollout_logp[m, t]` is the log-prob of `tokens[m, t]` (a sampled token) under the rollout policy given
-`tokens[m, :t]`; the update computes the same quantity from logits at t - 1. `loss_mask` is 1 exactly on the sampled
-tokens (Kind.ACTION), including the stop token, and 0 on prompts and padding.
+`tokens[m, :t]`; the update computes the same quantity from logits at t - 1. `loss_mask` is 1 on the sampled tokens
+(Kind.ACTION), including the stop token, and 0 on prompts and padding; with `RolloutConfig.constrain_actions` it is also
+0 on sampled tokens that the row's admissible actions forced (no other token could follow there: the policy chose
+nothing, so nothing there is credited; docs/paper_map.md, "Admissible-action decoding").
 
 Episode e has turns `turn_rows[e, :num_turns[e]]` (row indices into the turn arrays, -1 after the last). Episodes with
 the same task in one batch share `group[e]` (the GRPO group). `env_error[e]` marks an episode the env ended by failing
@@ -32,7 +34,7 @@ class Trajectories:
   # Turn rows, M of them, right-padded to a common length T with pad ids (Kind.PAD in `kinds`).
   tokens: np.ndarray  # int32 [M, T]
   kinds: np.ndarray  # int32 [M, T]: dreamjax.text.Kind codes
-  loss_mask: np.ndarray  # int32 [M, T]: 1 on sampled action tokens
+  loss_mask: np.ndarray  # int32 [M, T]: 1 on sampled action tokens (not forced ones)
   rollout_logp: np.ndarray  # float32 [M, T]: sampler log-probs on sampled tokens, 0 elsewhere
   lengths: np.ndarray  # int32 [M]: prompt + action tokens
   prompt_lengths: np.ndarray  # int32 [M]

@@ -19,6 +19,15 @@ row of each group and its cache and first logits are repeated G times; decoding 
 its own key, so the output is the ungrouped call's (the prefill's rows are computed alike whatever the batch, up to
 float32 rounding of the matmuls). G is a static argument: one more compilation per shape. Under a mesh, a G whose N / G
 rows would be split differently over the data axes than the N rows falls back to the plain prefill.
+
+Choices (`Sampler.__call__(..., choices=...)`, plain decoding with or without `KVReuse`): each row may be limited to a
+set of whole token sequences, [B, C, L] int32, -1 padded (a policy that must answer with one of the admissible
+actions). At each step only tokens that continue a choice the row still matches can be drawn: the logits of every
+other token are -inf before temperature, top-k and top-p, so the answer is always one of the choices, drawn with
+probability proportional to the product of the model's probabilities of its tokens, each renormalised over the
+tokens the choices allow at that step. A row whose choices are all -1 is not limited. The recorded log-probs are the
+model's own (unrestricted) ones, which is what the trainer recomputes; docs/paper_map.md ("Admissible-action
+decoding") says what that means for the update.
 """
 
 from __future__ import annotations
@@ -107,6 +116,7 @@ class _State:
   positions: Int[Array, " B"]  # RoPE position of the next token
   key_valid: Bool[Array, "B C"]
   logits: Float[Array, "B V"]  # logits for the next token
+  matching: Bool[Array, "B C"]  # the choices each row's tokens still match (see the module docstring)
   cache: KVCache
 
 
@@ -185,7 +195,37 @@ def _prefill(model: Transformer, params, tokens, positions, key_valid, cache: KV
   return logits, cache.constrain()
 
 
-def _sample(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, group: int = 1, *, cfg: ModelConfig,
+def _restricted(logits, choices, matching, emitted):
+  """Logits where a row with choices keeps only the tokens that continue one of its still-`matching` choices at
+  position `emitted` (per row), and each choice's token there ([B, C], -1 past its end)."""
+  b, c, width = choices.shape
+  at = jnp.broadcast_to(jnp.minimum(emitted, width - 1)[:, None, None], (b, c, 1))
+  nxt = jnp.where((emitted < width)[:, None], jnp.take_along_axis(choices, at, 2)[..., 0], -1)
+  open_ = matching & (nxt >= 0)
+  allowed = jnp.zeros(logits.shape, jnp.int32).at[jnp.arange(b)[:, None], jnp.maximum(nxt, 0)].add(open_) > 0
+  limit = jnp.any(open_, -1)[:, None]
+  return jnp.where(limit & ~allowed, -jnp.inf, logits), nxt
+
+
+def _choose(logits, u, sp: SamplingParams, choices, matching, emitted):
+  """`choose_tokens`, within each row's choices when `choices` is given: (token, the model's unrestricted log-prob of
+  it, the choices the row still matches after it)."""
+  if choices is None:
+    token, logp = choose_tokens(logits, u, sp.temperature, sp.top_p, sp.top_k)
+    return token, logp, matching
+  restricted, nxt = _restricted(logits, choices, matching, emitted)
+  token, _ = choose_tokens(restricted, u, sp.temperature, sp.top_p, sp.top_k)
+  temperature = jnp.where(sp.temperature <= 0, 1.0, sp.temperature)[:, None]
+  logp = jnp.take_along_axis(jax.nn.log_softmax(logits / temperature, -1), token[:, None], -1)[:, 0]
+  return token, logp, matching & (nxt == token[:, None])
+
+
+def _first_matching(choices, batch: int):
+  """Every row matches all of its choices before its first token; [B, 1] of False without choices."""
+  return jnp.zeros((batch, 1), bool) if choices is None else choices[:, :, 0] >= 0
+
+
+def _sample(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, group: int = 1, choices=None, *, cfg: ModelConfig,
             max_new_tokens: int, pad_id: int) -> SampleOutput:
   model = Transformer(cfg)
   batch, prompt_len = prompt_tokens.shape
@@ -205,6 +245,7 @@ def _sample(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, group:
       positions=lengths,
       key_valid=key_valid,
       logits=first_logits,
+      matching=_first_matching(choices, batch),
       cache=cache,
   )
 
@@ -212,7 +253,7 @@ def _sample(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, group:
     """Chooses token `step` for every live row from the current logits and records it."""
     # Each row draws from its own key folded with the step: a row's sample never depends on its batch neighbours.
     u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, s.step)))(keys)
-    token, logp = choose_tokens(s.logits, u, sp.temperature, sp.top_p, sp.top_k)
+    token, logp, matching = _choose(s.logits, u, sp, choices, s.matching, s.lengths)
     live = ~s.done
     token = jnp.where(live, token, pad_id)
     tail = jnp.concatenate([s.tail[:, 1:], token[:, None]], -1)
@@ -224,7 +265,7 @@ def _sample(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, group:
         tokens=jax.lax.dynamic_update_slice_in_dim(s.tokens, token[:, None], s.step, axis=1),
         logps=jax.lax.dynamic_update_slice_in_dim(s.logps, jnp.where(live, logp, 0.0)[:, None], s.step, axis=1),
         lengths=lengths, stopped=stopped, done=s.done | stopped | (lengths >= sp.max_new_tokens), tail=tail,
-        key_valid=jax.lax.dynamic_update_slice_in_dim(s.key_valid, live[:, None], prompt_len + s.step, axis=1),
+        matching=matching, key_valid=jax.lax.dynamic_update_slice_in_dim(s.key_valid, live[:, None], prompt_len + s.step, axis=1),
     )
 
   def advance(s: _State) -> _State:
@@ -301,17 +342,23 @@ class _RowState:
   tail: Int[Array, "B S"]
   forwards: Int[Array, " B"]
   draft_accepted: Int[Array, " B"]
+  matching: Bool[Array, "B C"]
   cache: KVCache
 
 
 def _decode_rows(model: Transformer, params, cache: KVCache, key_valid, seq, prompt_valid, start, pos0, first_logits,
-                 keys, sp: SamplingParams, *, n_max: int, spec: SpeculativeConfig) -> tuple[SampleOutput, KVCache]:
+                 keys, sp: SamplingParams, choices=None, *, n_max: int, spec: SpeculativeConfig
+                 ) -> tuple[SampleOutput, KVCache]:
   """Decoding where every row writes the cache at its own slot: row b's j-th generated token takes slot
   `start[b] + j` of `seq` [B, S] and of the cache, with RoPE position `pos0[b] + j`. With K = `spec.draft_tokens` > 0
   each step drafts K tokens per row by prompt lookup, runs one forward over [last token, K drafts] and emits each
   row's accepted prefix plus one token (1 to K + 1 tokens); with K = 0 each step emits one token drawn with plain
-  decoding's uniform, so the output is `_sample`'s. Returns the output and the cache (the `KVReuse` path keeps it)."""
+  decoding's uniform, so the output is `_sample`'s (`choices` too, which need K = 0). Returns the output and the cache
+  (the `KVReuse` path keeps it)."""
   k = spec.draft_tokens
+  if k and choices is not None:
+    raise ValueError("sampling within choices runs plain decoding: speculative decoding drafts tokens that the "
+                     "choices may not allow")
   batch, width = seq.shape
   col = jnp.arange(width)
   out_col = jnp.arange(n_max)
@@ -333,7 +380,8 @@ def _decode_rows(model: Transformer, params, cache: KVCache, key_valid, seq, pro
 
   # The first token comes from the prefill's logits with plain decoding's uniform, so it is plain decoding's token.
   u = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 0)))(keys)
-  token, logp = choose_tokens(first_logits, u, sp.temperature, sp.top_p, sp.top_k)
+  token, logp, matching = _choose(first_logits, u, sp, choices, _first_matching(choices, batch),
+                                  jnp.zeros(batch, jnp.int32))
   live = budget > 0
   state = _RowState(
       iters=jnp.zeros((), jnp.int32),
@@ -345,6 +393,7 @@ def _decode_rows(model: Transformer, params, cache: KVCache, key_valid, seq, pro
       tail=jnp.full((batch, sp.stop.shape[-1]), -2, jnp.int32),
       forwards=live.astype(jnp.int32),
       draft_accepted=jnp.zeros((batch,), jnp.int32),
+      matching=matching,
       cache=cache,
   )
   state = record(state, token, logp, live)
@@ -358,15 +407,17 @@ def _decode_rows(model: Transformer, params, cache: KVCache, key_valid, seq, pro
     def single(u_token):
       # One token per row, at the cost of plain decoding.
       o = model.apply({"params": params}, last, pos[:, :1], key_valid, cache=s.cache, cache_index=end)
-      tok, lp = choose_tokens(o.logits[:, 0], u_token, sp.temperature, sp.top_p, sp.top_k)
+      tok, lp, matching = _choose(o.logits[:, 0], u_token, sp, choices, s.matching, s.lengths)
       pad = jnp.zeros((batch, k), jnp.int32)
       return (jnp.concatenate([tok[:, None], pad], 1), jnp.concatenate([lp[:, None], pad.astype(lp.dtype)], 1),
-              jnp.zeros((batch,), jnp.int32), o.cache)
+              jnp.zeros((batch,), jnp.int32), o.cache, matching)
 
     if k == 0:
       # Plain decoding's draw for token j: the row's key folded with j (`_sample`'s step).
       u0 = jax.vmap(lambda key, n: jax.random.uniform(jax.random.fold_in(key, n)))(keys, s.lengths)
-      toks, lps, n_acc, cache = single(u0)
+      toks, lps, n_acc, cache, matching = single(u0)
+      # A row that emits nothing this step keeps its choices (its token is never recorded).
+      s = s.replace(matching=jnp.where(live[:, None], matching, s.matching))
     else:
       valid = prompt_valid | ((col[None] >= start[:, None]) & (col[None] <= end[:, None]))
       draft, found = prompt_lookup(s.seq, valid, end, k, spec.max_ngram, spec.min_ngram)
@@ -384,7 +435,7 @@ def _decode_rows(model: Transformer, params, cache: KVCache, key_valid, seq, pro
         return toks, lps, jnp.sum(jnp.cumprod(acc, -1), -1), o.cache
 
       # No row has a draft: the single step, with the uniform verify's position 0 would use.
-      toks, lps, n_acc, cache = jax.lax.cond(jnp.any(found), verify, lambda: single(u[:, 1, 0]))
+      toks, lps, n_acc, cache = jax.lax.cond(jnp.any(found), verify, lambda: single(u[:, 1, 0])[:4])
     s = s.replace(iters=s.iters + 1, cache=cache, forwards=s.forwards + live)
     for j in range(k + 1):
       emit = ~s.done & (j <= n_acc)
@@ -421,7 +472,8 @@ def _sample_speculative(params, prompt_tokens, prompt_mask, keys, sp: SamplingPa
   return out
 
 
-def _sample_reuse(params, cache: KVCache, tokens, lengths, reuse, keys, sp: SamplingParams, group: int = 1, *,
+def _sample_reuse(params, cache: KVCache, tokens, lengths, reuse, keys, sp: SamplingParams, group: int = 1,
+                  choices=None, *,
                   cfg: ModelConfig, max_new_tokens: int, pad_id: int, spec: SpeculativeConfig, width: int
                   ) -> tuple[SampleOutput, KVCache]:
   """The `KVReuse` path. `tokens` [B, P]: each row's whole prompt from column 0 (pad after it), `lengths` [B] its
@@ -443,7 +495,7 @@ def _sample_reuse(params, cache: KVCache, tokens, lengths, reuse, keys, sp: Samp
   prompt_valid = jnp.arange(p + n_max)[None] < lengths[:, None]
   seq = jnp.where(prompt_valid, jnp.pad(tokens, ((0, 0), (0, n_max))), pad_id)
   return _decode_rows(model, params, cache, key_valid, seq, prompt_valid, lengths, lengths, first_logits, keys, sp,
-                      n_max=n_max, spec=spec)
+                      choices, n_max=n_max, spec=spec)
 
 
 @dataclasses.dataclass
@@ -529,24 +581,34 @@ class Sampler:
     return group
 
   def __call__(self, params, prompt_tokens, prompt_mask, key: jax.Array, sp: SamplingParams, group: int = 1,
-               reuse: KVReuse | None = None) -> SampleOutput:
+               reuse: KVReuse | None = None, choices: np.ndarray | None = None) -> SampleOutput:
     """`key`: one PRNG key (split per row) or one key per row [B]. `group` G: the caller promises that rows
     G * i .. G * i + G - 1 have identical prompts (tokens and mask), so each group is prefilled once (`group_for`
     may turn it down); the output is that of `group` 1. `reuse`: the caller's `KVReuse`, updated in place; the
-    output then comes back on the host (NumPy), since the held tokens are needed there."""
+    output then comes back on the host (NumPy), since the held tokens are needed there. `choices` [B, C, L] int32,
+    -1 padded: the token sequences each row may produce (see the module docstring); plain decoding only."""
     batch = np.shape(prompt_tokens)[0]
+    if choices is not None:
+      if self.speculative.draft_tokens:
+        raise ValueError("Sampler: choices need plain decoding; this sampler was built with speculative decoding")
+      choices = np.asarray(choices, np.int32)
+      if choices.ndim != 3 or choices.shape[0] != batch or choices.shape[1] < 1:
+        raise ValueError(f"Sampler: choices must be [rows={batch}, choices, length], got {choices.shape}")
     keys = key if key.ndim == 1 and key.shape[0] == batch else jax.random.split(key, batch)
     sp = jax.tree.map(jnp.asarray, sp)  # a numpy leaf would be a different jit cache entry than a jax.Array
     group = self.group_for(batch, group)
     if reuse is not None:
-      return self._call_reuse(params, prompt_tokens, prompt_mask, keys, sp, group, reuse)
+      return self._call_reuse(params, prompt_tokens, prompt_mask, keys, sp, group, reuse, choices)
     if self.mesh is None:
-      return self._fn(params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool), keys, sp, group)
+      return self._fn(params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool), keys, sp, group,
+                      None if choices is None else jnp.asarray(choices))
     prompt_tokens, prompt_mask = self._rows_to_devices(
         *(x.astype(t) if isinstance(x, jax.Array) else np.asarray(x, t)
           for x, t in ((prompt_tokens, np.int32), (prompt_mask, bool))))
+    if choices is not None:
+      (choices,) = self._rows_to_devices(choices)
     with self._mesh_context():
-      return self._fn(params, prompt_tokens, prompt_mask, keys, sp, group)
+      return self._fn(params, prompt_tokens, prompt_mask, keys, sp, group, choices)
 
   def _rows_to_devices(self, *arrays):
     """Arrays with rows first, placed by rows over the mesh's data axes. Host arrays stay NumPy until `to_devices`
@@ -557,7 +619,7 @@ class Sampler:
     return to_devices(tuple(host), shardings)
 
   def _call_reuse(self, params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, group: int,
-                  reuse: KVReuse) -> SampleOutput:
+                  reuse: KVReuse, choices: np.ndarray | None) -> SampleOutput:
     # The prompts are read on the host (common prefixes, lengths): callers pass host arrays, as the engines do.
     tokens, mask = np.asarray(jax.device_get(prompt_tokens), np.int32), np.asarray(jax.device_get(prompt_mask), bool)
     batch, width = tokens.shape
@@ -589,11 +651,14 @@ class Sampler:
     cache, reuse.cache = reuse.cache, None  # donated: a failed call must not leave a deleted cache behind
     if self.mesh is None:
       args = (jnp.asarray(left), jnp.asarray(lengths), jnp.asarray(held))
-      out, cache = self._reuse_fn(params, cache, *args, keys, sp, group, width=prefill)
+      choices = None if choices is None else jnp.asarray(choices)
+      out, cache = self._reuse_fn(params, cache, *args, keys, sp, group, choices, width=prefill)
     else:
       args = self._rows_to_devices(left, lengths, held)
+      if choices is not None:
+        (choices,) = self._rows_to_devices(choices)
       with self._mesh_context():
-        out, cache = self._reuse_fn(params, cache, *args, keys, sp, group, width=prefill)
+        out, cache = self._reuse_fn(params, cache, *args, keys, sp, group, choices, width=prefill)
     out = to_host(out)
     reuse.cache = cache
     reuse.held = [np.concatenate([p, out.tokens[r, :max(int(out.lengths[r]) - 1, 0)]]).astype(np.int32)

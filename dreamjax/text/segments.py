@@ -74,15 +74,19 @@ class SegmentBuilder:
     kind = Kind(kind)
     role = self.chat_format.role(ROLE_OF_KIND[kind])
     head = role.first if not self.ids else role.prefix
-    content = tuple(self.tokenizer.encode(text.strip() if role.strip else text))
     if kind != Kind.ACTION:
-      body = head + content + role.suffix
+      body = head + tuple(self.tokenizer.encode(text.strip() if role.strip else text)) + role.suffix
       return self._extend(body, (kind,) * len(body))
-    closing = self._closing()
-    tail = role.suffix[len(closing) :]
-    policy = (Kind.ACTION,) * (len(content) + len(closing))
+    answer = self.answer_ids(text)
+    tail = role.suffix[len(self._closing()) :]
     frame = Kind.ACTION_FRAME
-    return self._extend(head + content + role.suffix, (frame,) * len(head) + policy + (frame,) * len(tail))
+    return self._extend(head + answer + tail, (frame,) * len(head) + (Kind.ACTION,) * len(answer) + (frame,) * len(tail))
+
+  def answer_ids(self, text: str) -> tuple[int, ...]:
+    """The ids a policy trained on `append(Kind.ACTION, text)` emits for `text` after `prompt()`: the text's tokens
+    and the closing up to end-of-turn, exactly the tokens that append marks ACTION."""
+    role = self.chat_format.assistant
+    return tuple(self.tokenizer.encode(text.strip() if role.strip else text)) + self._closing()
 
   def append_generated(self, ids: Sequence[int]) -> SegmentBuilder:
     """Appends a sampled action: the generation prompt, `ids` verbatim, then the rest of the assistant wrapper.
