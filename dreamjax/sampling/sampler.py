@@ -225,8 +225,8 @@ def _first_matching(choices, batch: int):
   return jnp.zeros((batch, 1), bool) if choices is None else choices[:, :, 0] >= 0
 
 
-def _sample(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, group: int = 1, choices=None, *, cfg: ModelConfig,
-            max_new_tokens: int, pad_id: int) -> SampleOutput:
+def _sample(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, group: int = 1, choices=None, *,
+            cfg: ModelConfig, max_new_tokens: int, pad_id: int) -> SampleOutput:
   model = Transformer(cfg)
   batch, prompt_len = prompt_tokens.shape
   tokens, mask, lengths = _left_align(prompt_tokens, prompt_mask)
@@ -265,7 +265,8 @@ def _sample(params, prompt_tokens, prompt_mask, keys, sp: SamplingParams, group:
         tokens=jax.lax.dynamic_update_slice_in_dim(s.tokens, token[:, None], s.step, axis=1),
         logps=jax.lax.dynamic_update_slice_in_dim(s.logps, jnp.where(live, logp, 0.0)[:, None], s.step, axis=1),
         lengths=lengths, stopped=stopped, done=s.done | stopped | (lengths >= sp.max_new_tokens), tail=tail,
-        matching=matching, key_valid=jax.lax.dynamic_update_slice_in_dim(s.key_valid, live[:, None], prompt_len + s.step, axis=1),
+        matching=matching,
+        key_valid=jax.lax.dynamic_update_slice_in_dim(s.key_valid, live[:, None], prompt_len + s.step, axis=1),
     )
 
   def advance(s: _State) -> _State:

@@ -80,7 +80,8 @@ class SegmentBuilder:
     answer = self.answer_ids(text)
     tail = role.suffix[len(self._closing()) :]
     frame = Kind.ACTION_FRAME
-    return self._extend(head + answer + tail, (frame,) * len(head) + (Kind.ACTION,) * len(answer) + (frame,) * len(tail))
+    kinds = (frame,) * len(head) + (Kind.ACTION,) * len(answer) + (frame,) * len(tail)
+    return self._extend(head + answer + tail, kinds)
 
   def answer_ids(self, text: str) -> tuple[int, ...]:
     """The ids a policy trained on `append(Kind.ACTION, text)` emits for `text` after `prompt()`: the text's tokens
