@@ -600,16 +600,17 @@ class Sampler:
     group = self.group_for(batch, group)
     if reuse is not None:
       return self._call_reuse(params, prompt_tokens, prompt_mask, keys, sp, group, reuse, choices)
+    # Speculative decoding takes no choices argument at all (refused above).
     if self.mesh is None:
+      extra = () if choices is None else (jnp.asarray(choices),)
       return self._fn(params, jnp.asarray(prompt_tokens, jnp.int32), jnp.asarray(prompt_mask, bool), keys, sp, group,
-                      None if choices is None else jnp.asarray(choices))
+                      *extra)
     prompt_tokens, prompt_mask = self._rows_to_devices(
         *(x.astype(t) if isinstance(x, jax.Array) else np.asarray(x, t)
           for x, t in ((prompt_tokens, np.int32), (prompt_mask, bool))))
-    if choices is not None:
-      (choices,) = self._rows_to_devices(choices)
+    extra = () if choices is None else self._rows_to_devices(choices)
     with self._mesh_context():
-      return self._fn(params, prompt_tokens, prompt_mask, keys, sp, group, choices)
+      return self._fn(params, prompt_tokens, prompt_mask, keys, sp, group, *extra)
 
   def _rows_to_devices(self, *arrays):
     """Arrays with rows first, placed by rows over the mesh's data axes. Host arrays stay NumPy until `to_devices`
