@@ -2,8 +2,8 @@
 +0.24 sampled and +0.11 greedy in 59 minutes on 2 CPU cores (experiments/RESULTS.md, "Admissible-action decoding on
 twc"; runs/grpo_twc2_CL there).
 
-Warm start: runs/sft_twc2_A/checkpoint, the SFT settings of configs/reproduce_twc.py stopped at 400 steps instead
-of 800 (any HF checkpoint via --set model.checkpoint=...).
+Warm start: runs/reproduce/twc/sft/checkpoint, the SFT stage of `dreamjax reproduce --config
+configs/reproduce_twc.py` (any HF checkpoint via --set model.checkpoint=...).
 Checks every 5 iterations on 50 held-out train-fold games (tasks 600-649); score the result on 200 with
 `dreamjax eval ... --set tasks.split=train --set tasks.start=600 --set tasks.count=200 --set
 rollout.constrain_actions=true --set rollout.max_action_tokens=24`.
@@ -27,7 +27,7 @@ TWC = "numLocations=1, numItemsToPutAway=2, includeDoors=0"
 def config() -> RLConfig:
   real = load_config(f"{HERE / 'grpo_real_twx.py'}:tiny")
   return dataclasses.replace(
-      real, model=dataclasses.replace(real.model, checkpoint="runs/sft_twc2_A/checkpoint"),
+      real, model=dataclasses.replace(real.model, checkpoint="runs/reproduce/twc/sft/checkpoint"),
       env_kwargs=("step_limit=8",),
       train_tasks=TaskSpec(games=("twc",), split="train", count=500, game_params=TWC),
       eval_tasks=TaskSpec(games=("twc",), split="train", start=600, count=50, game_params=TWC),

@@ -307,8 +307,9 @@ def test_sft_step_plan_tracks_xla_on_the_mesh(micro):
                         opt_state=jax.eval_shape(optimizer.init, params))
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
   rows, length = cfg.batch_size, cfg.max_len
-  dtypes = dict(tokens=jnp.int32, positions=jnp.int32, valid=bool, pair=jnp.int32, chosen=bool)
-  batch = jax.tree.map(lambda s, name: jax.ShapeDtypeStruct((rows,) if name in ("pair", "chosen") else (rows, length),
+  dtypes = dict(tokens=jnp.int32, positions=jnp.int32, valid=bool, pair=jnp.int32, chosen=bool, allowed=jnp.int32)
+  shapes = dict(pair=(rows,), chosen=(rows,), allowed=(rows, length, 0))  # SFT: no allowed sets
+  batch = jax.tree.map(lambda s, name: jax.ShapeDtypeStruct(shapes.get(name, (rows, length)),
                                                             dtypes.get(name, jnp.float32), sharding=s),
                        step._batch_shardings, TokenBatch(**{f: f for f in TokenBatch.__dataclass_fields__}))
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)

@@ -19,7 +19,7 @@ from dreamjax.models.params import param_shardings
 from dreamjax.parallel import MeshConfig, make_mesh
 from dreamjax.parallel.sharding import TRAIN_RULES
 from dreamjax.rl.batch import TokenBatch, dpo_batch, sft_batch
-from dreamjax.rl.logprobs import LogpScorer, row_positions, score_len_for, token_logps
+from dreamjax.rl.logprobs import LogpScorer, most_scored, row_positions, score_len_for, token_logps
 from dreamjax.rl.objectives import PolicyGradientConfig, ValueLossConfig, make_objective
 from dreamjax.rl.optim import OptimConfig, make_optimizer, make_schedule
 from dreamjax.rl.train_state import create_train_state
@@ -213,6 +213,64 @@ def test_scoring_only_the_loss_tokens_equals_scoring_all(params):
   # The host scorer with a mask: the same log-probs on the masked tokens, 0 elsewhere.
   got, _ = LogpScorer(CFG, batch_size=3, pad_to=16)(params, tokens, None, valid, mask=mask)
   np.testing.assert_allclose(got, np.where(mask != 0, full.logp, 0), rtol=1e-5, atol=1e-6)
+
+
+def allowed_sets(tokens: np.ndarray, mask: np.ndarray, seed: int, width: int = 4) -> np.ndarray:
+  """[B, T, width] allowed sets for the masked tokens, as a restricted rollout records them: each holds its token and
+  up to width - 1 others; some hold the token alone (forced), some are empty (drawn from the whole vocabulary)."""
+  rng = np.random.RandomState(seed)
+  out = np.full((*tokens.shape, width), -1, np.int32)
+  for b, t in zip(*np.nonzero(mask)):
+    n = rng.randint(0, width + 1)  # 0: no set
+    if n:
+      others = rng.choice(np.setdiff1d(np.arange(CFG.vocab_size), [tokens[b, t]]), n - 1, replace=False)
+      out[b, t, :n] = rng.permutation(np.append(others, tokens[b, t]))
+  return out
+
+
+def test_allowed_sets_renormalise_log_probs_and_entropies(params):
+  """With allowed sets, the log-prob and entropy at a token with a set are the model's renormalised over it (float64
+  reference from the full logits), elsewhere unchanged: on the full projection, in score_len slots and chunks, on a
+  mesh with the vocabulary sharded, and through the host scorer."""
+  tokens, valid, mask = rows(4)
+  pos = row_positions(valid)
+  allowed = allowed_sets(tokens, mask, 4)
+  logits = np.asarray(Transformer(CFG).apply({"params": params}, tokens, pos, valid).logits, np.float64)
+  ref = {k: np.zeros((B, T)) for k in ("logp", "entropy")}
+  for b, t in zip(*np.nonzero(valid[:, 1:] & valid[:, :-1])):
+    z = logits[b, t]
+    keep = allowed[b, t + 1][allowed[b, t + 1] >= 0]
+    z = np.where(np.isin(np.arange(len(z)), keep) if len(keep) else True, z, -np.inf)
+    logsm = z - z.max() - np.log(np.exp(z - z.max()).sum())
+    ref["logp"][b, t + 1] = logsm[tokens[b, t + 1]]
+    ref["entropy"][b, t + 1] = -np.sum(np.exp(logsm) * np.where(np.isfinite(logsm), logsm, 0.0))
+  limited = (allowed >= 0).any(-1)
+  forced = (allowed >= 0).sum(-1) == 1
+  assert limited.sum() > 10 and forced.any() and (mask.astype(bool) & ~limited).any()
+  assert np.all(ref["logp"][forced] == 0)  # a forced token was certain
+  plain = jax.jit(functools.partial(token_logps, CFG, with_entropy=True))(params, tokens, pos, valid)
+  assert np.abs(np.asarray(plain.logp) - ref["logp"])[limited & ~forced].min() > 1e-3  # the sets change something
+
+  def logps(p, **kw):
+    return token_logps(CFG, p, tokens, pos, valid, with_entropy=True, allowed=allowed, **kw)
+
+  def check(got, where=None):
+    for name in ("logp", "entropy"):
+      want = ref[name] if where is None else np.where(where != 0, ref[name], 0)
+      np.testing.assert_allclose(getattr(got, name), want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+  check(jax.jit(logps)(params))
+  check(jax.jit(functools.partial(logps, chunk_size=6))(params))
+  check(jax.jit(functools.partial(logps, score_mask=mask, score_len=most_scored(mask), chunk_size=3))(params), mask)
+  mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+  with jax.set_mesh(mesh), nn.logical_axis_rules(TRAIN_RULES):
+    sharded = jax.device_put(params, param_shardings(CFG, mesh))
+    got = jax.jit(functools.partial(logps, score_mask=mask, score_len=most_scored(mask)))(sharded)
+    check(jax.device_get(got), mask)
+  got, _ = LogpScorer(CFG, batch_size=3, pad_to=16)(params, tokens, None, valid, mask=mask, allowed=allowed)
+  np.testing.assert_allclose(got, np.where(mask != 0, ref["logp"], 0), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="allowed"):
+    LogpScorer(CFG, batch_size=3, pad_to=16)(params, tokens, None, valid, allowed=allowed[:2])
 
 
 def test_objective_on_the_loss_tokens_equals_the_full_projection(params):

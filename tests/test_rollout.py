@@ -20,9 +20,10 @@ from dreamjax.loop.evaluate import evaluate
 from dreamjax.models import Transformer, init_params, tiny
 from dreamjax.rl.batch import rl_batch
 from dreamjax.rollout.agent import INVALID_ANSWER, AgentFormat, build_turn_prompt, format_answer, parse_answer, user_text
-from dreamjax.rollout.engine import RolloutConfig, RolloutEngine, forced_tokens
+from dreamjax.rl.logprobs import LogpScorer
+from dreamjax.rollout.engine import RolloutConfig, RolloutEngine, allowed_tokens
 from dreamjax.sampling import SpeculativeConfig, sampling_params, speculation_rates
-from dreamjax.text import Kind, train_bpe_tokenizer
+from dreamjax.text import Kind, SegmentBuilder, train_bpe_tokenizer
 
 ONE_ROOM = "numLocations=1, includeDoors=0"  # the coin lies in the start room: gold path "look around", "take coin"
 TWO_ROOMS = "numLocations=2, includeDoors=0"
@@ -287,8 +288,9 @@ def test_bad_configs_are_clear_errors(twx, tok, policy_cfg, random_params, far_t
 
 def test_constrained_rollouts_only_take_admissible_actions(twx, tok, policy_cfg, random_params, far_tasks):
   """With constrain_actions a random policy, which never answers in the format unconstrained, answers every turn
-  with one of its admissible actions exactly as SFT would write it; the log-probs are the model's unrestricted ones
-  (what the update recomputes); and KV reuse with grouped prefill changes nothing."""
+  with one of its admissible actions exactly as SFT would write it; each answer token's allowed set holds the next
+  tokens of the admissible answers it still matched; the log-probs are the model's renormalised over those sets, and
+  the update's scorer gives them back; and KV reuse with grouped prefill changes nothing."""
   base = dataclasses.replace(RANDOM_CFG, max_action_tokens=24, max_episode_tokens=96, constrain_actions=True)
   runs = {on: RolloutEngine(policy_cfg, tok, FMT, dataclasses.replace(base, kv_reuse=on, group_prefill=on)).run(
       random_params, twx, far_tasks[:2], jax.random.key(5)) for on in (False, True)}
@@ -300,8 +302,14 @@ def test_constrained_rollouts_only_take_admissible_actions(twx, tok, policy_cfg,
       assert step.action in step.admissible, step.action
       chosen.add(step.action)
       row = traj.turn_rows[e, j]
-      answer = traj.tokens[row, traj.prompt_lengths[row]:traj.lengths[row]]
+      p = traj.prompt_lengths[row]
+      answer = traj.tokens[row, p:traj.lengths[row]]
       assert tok.decode(answer[:-1]) == format_answer(step.action) and answer[-1] in (tok.chat_format.end_of_turn,)
+      answers = [SegmentBuilder(tok).answer_ids(format_answer(a)) for a in step.admissible]
+      for k in range(len(answer)):
+        want = {a[k] for a in answers if len(a) > k and list(a[:k]) == list(answer[:k])}
+        got = traj.allowed[row, p + k]
+        assert set(got[got >= 0]) == want and answer[k] in want
   assert len(chosen) >= 3  # a random policy spreads over the actions
   # Forced tokens (the end-of-turn after "</action>" always is) leave the loss; the choices were real elsewhere.
   action = traj.kinds == Kind.ACTION
@@ -315,22 +323,38 @@ def test_constrained_rollouts_only_take_admissible_actions(twx, tok, policy_cfg,
   valid = np.arange(t)[None] < traj.lengths[:, None]
   logits = Transformer(policy_cfg).apply({"params": random_params}, traj.tokens,
                                          jnp.broadcast_to(jnp.arange(t), traj.tokens.shape), valid).logits
-  recomputed = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits[:, :-1], -1)), traj.tokens[:, 1:, None],
-                                  -1)[..., 0]
-  m = traj.loss_mask[:, 1:] == 1
-  np.testing.assert_allclose(traj.rollout_logp[:, 1:][m], recomputed[m], atol=2e-5, rtol=0)
+  logsm = np.asarray(jax.nn.log_softmax(logits[:, :-1], -1), np.float64)
+  action = traj.kinds[:, 1:] == Kind.ACTION
+  for r, c in zip(*np.nonzero(action)):
+    allowed = traj.allowed[r, c + 1][traj.allowed[r, c + 1] >= 0]
+    want = logsm[r, c, traj.tokens[r, c + 1]] - np.log(np.exp(logsm[r, c, allowed]).sum())
+    np.testing.assert_allclose(traj.rollout_logp[r, c + 1], want, atol=2e-5, rtol=0)
+  scored, _ = LogpScorer(policy_cfg, 4, pad_to=64)(random_params, traj.tokens, None, valid, mask=traj.loss_mask,
+                                                     allowed=traj.allowed)
+  np.testing.assert_allclose(scored, traj.rollout_logp * traj.loss_mask, atol=2e-5, rtol=0)
+  # The update's batch carries the sets, its width a power of two (a few compilations per run).
+  batch = rl_batch(traj, pad_to=64)
+  a = traj.allowed.shape[-1]
+  assert batch.allowed.shape[-1] == 1 << (a - 1).bit_length() >= a > 1
+  np.testing.assert_array_equal(batch.allowed[:traj.num_rows, :t, :a], traj.allowed)
+  assert (batch.allowed[:, :, a:] == -1).all() and (batch.allowed[:, t:] == -1).all()
   for name in ("tokens", "lengths", "reward", "invalid"):
     np.testing.assert_array_equal(getattr(runs[True], name), getattr(traj, name), err_msg=name)
   with pytest.raises(ValueError, match="constrain_actions .* needs AgentFormat.think=False"):
     RolloutEngine(policy_cfg, tok, dataclasses.replace(FMT, think=True), base)
 
 
-def test_forced_tokens_are_those_with_one_allowed_continuation():
+def test_allowed_tokens_are_the_continuations_of_the_choices_still_matched():
   choices = np.array([[5, 6, 7, 2], [5, 6, 8, 2], [9, 2, -1, -1], [-1, -1, -1, -1]], np.int32)
-  np.testing.assert_array_equal(forced_tokens(choices, np.array([5, 6, 8, 2])), [False, True, False, True])
-  np.testing.assert_array_equal(forced_tokens(choices, np.array([9, 2])), [False, True])
-  np.testing.assert_array_equal(forced_tokens(choices[:1], np.array([5, 6, 7, 2])), [True] * 4)
-  np.testing.assert_array_equal(forced_tokens(choices[3:], np.array([4, 4])), [False, False])  # not limited
+
+  def sets(c, ids):
+    return [a.tolist() for a in allowed_tokens(c, np.array(ids))]
+
+  assert sets(choices, [5, 6, 8, 2]) == [[5, 9], [6], [7, 8], [2]]
+  assert sets(choices, [9, 2]) == [[5, 9], [2]]
+  assert sets(choices[:1], [5, 6, 7, 2]) == [[5], [6], [7], [2]]
+  assert sets(choices[3:], [4, 4]) == [[], []]  # not limited
+  assert sets(choices[2:3], [9, 2, 4]) == [[9], [2], []]  # past the end of its choice (and of L): any token
 
 
 def _sft(cfg, tok, expert_turns, steps: int, lr: float):

@@ -229,7 +229,9 @@ def test_choices_limit_each_row_and_leave_the_others_alone(params, sampler):
   assert len(seen[0]) == 3 and len(seen[3]) == 2  # every choice is reachable
 
 
-def test_choices_log_probs_are_the_models_and_greedy_takes_the_best_allowed_token(params, sampler):
+def test_choices_log_probs_are_renormalised_and_greedy_takes_the_best_allowed_token(params, sampler):
+  """A token's recorded log-prob is the model's (at the row's temperature) renormalised over the tokens the choices
+  the row still matched allowed there: the distribution it was drawn from; 0 where only one token was allowed."""
   tokens, mask, rows = prompts("right")
   out = sampler(params, tokens, mask, jax.random.key(0), sampling_params(4, N, temperature=0.7, stop=[[STOP]]),
                 choices=_choices())
@@ -238,11 +240,15 @@ def test_choices_log_probs_are_the_models_and_greedy_takes_the_best_allowed_toke
   apply = jax.jit(Transformer(CFG).apply)
   for i in (0, 1, 3):
     n = int(out.lengths[i])
-    seq = np.concatenate([rows[i], np.asarray(out.tokens[i, :n])])[None]
+    drawn = list(np.asarray(out.tokens[i, :n]))
+    seq = np.concatenate([rows[i], drawn])[None]
     logits = apply({"params": params}, seq, np.arange(seq.shape[1])[None], np.ones_like(seq, bool)).logits[0]
     logp = np.asarray(jax.nn.log_softmax(logits[len(rows[i]) - 1:-1] / 0.7))
-    np.testing.assert_allclose(out.logps[i, :n], logp[np.arange(n), np.asarray(out.tokens[i, :n])], rtol=1e-5,
-                               atol=1e-5)
+    for j, token in enumerate(drawn):
+      allowed = sorted({c[j] for c in CHOICES[i] if len(c) > j and c[j] >= 0 and list(c[:j]) == drawn[:j]})
+      want = logp[j, token] - np.log(np.exp(logp[j, allowed]).sum())
+      np.testing.assert_allclose(out.logps[i, j], want, rtol=1e-5, atol=1e-5, err_msg=f"row {i} token {j}")
+  assert abs(float(out.logps[1, 0])) < 1e-6  # row 1 has one choice: every token of it is certain
   # Greedy row 0: the first token is whichever of 11 and 14 the model prefers; after 11, the better of 12 and 13.
   first = _last_logits(params, np.pad(rows[0], (0, N))[None], len(rows[0]))
   want = [11 if first[11] > first[14] else 14]

@@ -101,6 +101,7 @@ def turn_rows(seed: int = 0) -> TokenBatch:
   rows += [(rand(25), rand(4)), (rand(8), rand(6))]
   b, t = 16, 64
   d = _empty(b, t)
+  d["allowed"] = np.full((b, t, 3), -1, np.int32)  # odd rows drew their answers among 3 tokens (constrain_actions)
   for r, (prompt, answer) in enumerate(rows):
     n = len(prompt) + len(answer)
     d["tokens"][r, :n] = prompt + answer
@@ -111,6 +112,9 @@ def turn_rows(seed: int = 0) -> TokenBatch:
     d["advantages"][r, len(prompt):n] = rng.randn()
     d["returns"][r, len(prompt):n] = rng.randn()
     d["old_values"][r, len(prompt):n] = rng.randn(len(answer))
+    if r % 2:
+      others = rng.randint(3, v, (len(answer), 2))
+      d["allowed"][r, len(prompt):n] = np.concatenate([np.asarray(answer)[:, None], others], -1)
   return _finish(d)
 
 
@@ -197,6 +201,14 @@ def test_reference_scoring_equals_per_row(params):
   shared = LogpScorer(CFG, 8, pad_to=16, shared_prefix=True)(params, tokens, None, valid, mask=mask)[0]
   assert np.count_nonzero(plain) == np.count_nonzero(mask)
   np.testing.assert_allclose(shared, plain, rtol=RTOL, atol=ATOL)
+  # With allowed sets (odd rows): renormalised log-probs, the same through shared prefixes.
+  allowed = np.asarray(batch.allowed)[:m]
+  plain_r = LogpScorer(CFG, 8, pad_to=16)(params, tokens, None, valid, mask=mask, allowed=allowed)[0]
+  shared_r = LogpScorer(CFG, 8, pad_to=16, shared_prefix=True)(params, tokens, None, valid, mask=mask,
+                                                               allowed=allowed)[0]
+  np.testing.assert_allclose(shared_r, plain_r, rtol=RTOL, atol=ATOL)
+  limited = (allowed >= 0).any(-1) & (mask != 0)
+  assert (plain_r[limited] > plain[limited]).all() and (plain_r[~limited] == plain[~limited]).all()
 
 
 def test_refusals(params):

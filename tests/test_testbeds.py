@@ -80,6 +80,12 @@ def test_twc_trains_and_scores_on_disjoint_games_of_one_fold(variant):
     assert cfg.seeds == (0, 1, 2) and cfg.eval.tasks.count == 200 and len(cfg.ablations) == 4
     # DreamGym trains as real-env RL does; only where its episodes come from differs.
     assert dataclasses.replace(cfg.dreamgym.rl, out_dir=cfg.real.out_dir) == cfg.real
+    # Real-env RL runs configs/grpo_real_twc.py's settings (the run that gained), from this config's SFT policy.
+    grpo = load_config("configs/grpo_real_twc.py")
+    assert dataclasses.replace(cfg.real, out_dir=grpo.out_dir, model=grpo.model, train_tasks=grpo.train_tasks) == grpo
+    assert cfg.sft.max_steps == 400 and cfg.eval.sampled
+  # Every answer is one of the admissible actions, with room for the longest (19 tokens).
+  assert all(c.rollout.constrain_actions and c.rollout.max_action_tokens == 24 for c in stages)
 
 def _state(location: str, exits: str) -> str:
   return f"Location: {location}\nYou see: stove\nExits: {exits}\nInventory (max 2): nothing"

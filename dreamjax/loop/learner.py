@@ -270,9 +270,9 @@ def take_rows(batch: TokenBatch, rows: np.ndarray, num_rows: int, pad_to: int) -
 
   def take(x):
     x = np.asarray(x)
-    out = np.zeros((num_rows, *x.shape[1:]), x.dtype)
+    out = np.full((num_rows, *x.shape[1:]), -1 if x.ndim == 3 else 0, x.dtype)  # [B, T, A]: `allowed`, -1 padded
     out[:len(rows)] = x[rows]
-    return out[:, :length] if x.ndim == 2 else out
+    return out[:, :length] if x.ndim >= 2 else out
 
   return jax.tree.map(take, batch)
 
@@ -379,7 +379,8 @@ class PolicyLearner:
     ref_logp = values = None
     if self.ref_scorer is not None:
       t0 = time.perf_counter()
-      ref_logp, _ = self.ref_scorer(self.ref_params, traj.tokens, None, valid, mask=traj.loss_mask)
+      ref_logp, _ = self.ref_scorer(self.ref_params, traj.tokens, None, valid, mask=traj.loss_mask,
+                                    allowed=traj.allowed)
       times["ref_s"] = time.perf_counter() - t0
     if self.value_scorer is not None:
       t0 = time.perf_counter()

@@ -57,6 +57,9 @@ class TokenBatch:
   old_values: Float[Array, "B T"]  # critic values at rollout time (PPO value clipping)
   pair: Int[Array, " B"]  # DPO pair id, local to the row's micro-batch
   chosen: Bool[Array, " B"]  # DPO: the row belongs to the chosen trajectory
+  # The tokens each token was drawn among (Trajectories.allowed), -1 padded; width 0 or None: drawn from the whole
+  # vocabulary. Log-probs are renormalised over a token's allowed set wherever it has one (dreamjax.rl.logprobs).
+  allowed: Int[Array, "B T A"] | None = flax.struct.field(default=None, kw_only=True)
 
   @property
   def prefix(self) -> tuple[Array, Array, Array] | None:
@@ -93,7 +96,8 @@ def _empty(rows: int, length: int) -> dict[str, np.ndarray]:
   f = lambda: np.zeros((rows, length), np.float32)  # noqa: E731
   return dict(tokens=np.zeros((rows, length), np.int32), positions=np.zeros((rows, length), np.int32),
               valid=np.zeros((rows, length), bool), loss_mask=f(), old_logp=f(), ref_logp=f(), advantages=f(),
-              returns=f(), old_values=f(), pair=np.zeros((rows,), np.int32), chosen=np.zeros((rows,), bool))
+              returns=f(), old_values=f(), pair=np.zeros((rows,), np.int32), chosen=np.zeros((rows,), bool),
+              allowed=np.full((rows, length, 0), -1, np.int32))
 
 
 def _finish(d: dict[str, np.ndarray]) -> TokenBatch:
@@ -221,6 +225,10 @@ def rl_batch(
     d["ref_logp"][:m, :t] = _check_rows("ref_logp", ref_logp, (m, t))
   d["advantages"][:m, :t] = adv_rows
   d["returns"][:m, :t] = ret_rows
+  if traj.allowed is not None and traj.allowed.shape[-1]:
+    # The width rounded up to a power of two, so that a run's batches compile for a few widths.
+    d["allowed"] = np.full((rows_out, length, 1 << (traj.allowed.shape[-1] - 1).bit_length()), -1, np.int32)
+    d["allowed"][:m, :t, :traj.allowed.shape[-1]] = traj.allowed
   if values is not None:
     d["old_values"][:m, :t] = values
   return _finish(d)
@@ -404,7 +412,9 @@ def shared_prefix_layout(batch: TokenBatch, *, micro_batches: int = 1, row_multi
   if row_multiple % micro_batches or batch.num_rows % row_multiple:
     raise ValueError(f"shared_prefix_batch: {batch.num_rows} rows, micro_batches {micro_batches} and row_multiple "
                      f"{row_multiple}: need rows a multiple of row_multiple, a multiple of micro_batches")
-  host = {f: np.asarray(getattr(batch, f)) for f in _empty(0, 0)}
+  host = {f: np.asarray(getattr(batch, f)) for f in _empty(0, 0) if f != "allowed"}
+  host["allowed"] = np.full((*host["tokens"].shape, 0), -1, np.int32) if batch.allowed is None else \
+      np.asarray(batch.allowed)
   valid, loss_mask, tokens = host["valid"], host["loss_mask"], host["tokens"]
   b, t = tokens.shape
   lengths = valid.sum(-1)
@@ -420,6 +430,7 @@ def shared_prefix_layout(batch: TokenBatch, *, micro_batches: int = 1, row_multi
   q = _round_up(1 << (max(len(m) for m in micro) - 1).bit_length(), row_multiple // k)
 
   d = _empty(b, slen)
+  d["allowed"] = np.full((b, slen, host["allowed"].shape[-1]), -1, np.int32)
   d.update(prefix_tokens=np.zeros((q * k, plen), np.int32), prefix_valid=np.zeros((q * k, plen), bool),
            prefix_index=np.zeros((b,), np.int32))
   source, offset = np.full((b,), -1, np.int32), np.zeros((b,), np.int32)
@@ -432,7 +443,8 @@ def shared_prefix_layout(batch: TokenBatch, *, micro_batches: int = 1, row_multi
       for x in part:
         r = rows[x]
         row, n = i * k + j, int(lengths[r]) - p
-        for f in ("tokens", "valid", "loss_mask", "old_logp", "ref_logp", "advantages", "returns", "old_values"):
+        for f in ("tokens", "valid", "loss_mask", "old_logp", "ref_logp", "advantages", "returns", "old_values",
+                  "allowed"):
           d[f][row, :n] = host[f][r, p:p + n]
         d["positions"][row, :n] = p + np.arange(n)
         d["pair"][row], d["chosen"][row], d["prefix_index"][row] = host["pair"][r], host["chosen"][r], e

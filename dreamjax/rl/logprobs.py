@@ -20,7 +20,10 @@ action tokens; its prompt, often most of the row, is context). With `score_mask`
 projected: a third of the vocabulary matmuls on 128-token prompts with 64 sampled tokens, where the head is ~40% of the
 standard benchmark model's FLOPs. Log-probs (and entropies) are then 0 outside the mask; values are not affected.
 
-`temperature` divides the logits as the sampler does, so importance ratios compare like with like.
+`temperature` divides the logits as the sampler does, so importance ratios compare like with like. `allowed` (a token's
+allowed set, from a rollout that drew its answers among the admissible actions) sets the logits outside the set to
+-inf after the temperature, as the sampler did, so the log-probs and entropies are those of the distribution the
+token was drawn from.
 
 Shared prefixes (`prefix`, built by `dreamjax.rl.batch.shared_prefix_batch`): each prefix row is run once into a
 KV cache (the cache path of the same `Transformer`, differentiable), each row gathers its prefix's keys and values
@@ -68,13 +71,20 @@ def _head(cfg: ModelConfig, params) -> Array:
   return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
 
 
-def _project(hidden, head, targets, *, cfg: ModelConfig, temperature: float, with_entropy: bool):
-  """Log-prob of `targets` and entropy under the logits of `hidden` ([B, C, E] -> [B, C] each)."""
+def _project(hidden, head, targets, allowed, *, cfg: ModelConfig, temperature: float, with_entropy: bool):
+  """Log-prob of `targets` and entropy under the logits of `hidden` ([B, C, E] -> [B, C] each), renormalised over
+  `allowed` ([B, C, A], -1 padded) at positions that have an allowed set."""
   dt = jnp.dtype(cfg.dtype)
   logits = jnp.einsum("bte,ev->btv", hidden, head.astype(dt), preferred_element_type=jnp.float32)
   logits = constrain(logits, ("batch", "seq", "act_vocab"))
   if temperature != 1.0:
     logits = logits / temperature
+  if allowed.shape[-1]:  # the sampler's restriction: -inf outside the set (out-of-range ids are dropped)
+    b, c, _ = allowed.shape
+    ids = jnp.where(allowed >= 0, allowed, logits.shape[-1])
+    member = jnp.zeros(logits.shape, bool).at[jnp.arange(b)[:, None, None], jnp.arange(c)[None, :, None], ids].set(
+        True, mode="drop")
+    logits = jnp.where(member | ~jnp.any(allowed >= 0, -1)[..., None], logits, -jnp.inf)
   lse = jax.nn.logsumexp(logits, axis=-1)
   # A compare-and-select instead of a gather: it fuses with the reduction and stays local when the vocabulary is
   # sharded over `tensor`.
@@ -84,18 +94,19 @@ def _project(hidden, head, targets, *, cfg: ModelConfig, temperature: float, wit
   return picked - lse, entropy
 
 
-def _project_positions(project, hidden, targets, chunk_size: int | None, vocab: int):
+def _project_positions(project, hidden, targets, allowed, chunk_size: int | None, vocab: int):
   """`project` over [B, C] positions, in chunks of positions when B x C x V logits would exceed MAX_LOGITS."""
   b, t = targets.shape
   if chunk_size is None:
     chunk_size = t if b * t * vocab <= MAX_LOGITS else max(1, MAX_LOGITS // (b * vocab))
   if chunk_size >= t:
-    return project(hidden, targets=targets)
+    return project(hidden, targets=targets, allowed=allowed)
   n = -(-t // chunk_size)
   pad = n * chunk_size - t
   h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk_size, -1).swapaxes(0, 1)
   g = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk_size).swapaxes(0, 1)
-  lp, ent = jax.lax.map(jax.checkpoint(lambda xs: project(xs[0], targets=xs[1])), (h, g))
+  a = jnp.pad(allowed, ((0, 0), (0, pad), (0, 0)), constant_values=-1).reshape(b, n, chunk_size, -1).swapaxes(0, 1)
+  lp, ent = jax.lax.map(jax.checkpoint(lambda xs: project(xs[0], targets=xs[1], allowed=xs[2])), (h, g, a))
   return tuple(x.swapaxes(0, 1).reshape(b, -1)[:, :t] for x in (lp, ent))
 
 
@@ -154,18 +165,24 @@ def token_logps(
     score_mask: Array | None = None,
     score_len: int | None = None,
     prefix: Prefix | None = None,
+    allowed: Int[Array, "B T A"] | None = None,
 ) -> TokenLogps:
   """Log-probs (and optionally entropies and values) of every token given its prefix; see the module docstring.
 
   `chunk_size` is the number of positions per vocabulary-projection chunk (None: all at once when B * T * V is at
   most MAX_LOGITS, else the largest chunk under it). `score_mask` [B, T] (nonzero: scored) limits log-probs and
   entropies to those tokens; it needs `score_len` >= its largest row count (`score_len_for`), a static int.
-  `prefix`: the rows are suffixes after shared prefixes (`TokenBatch.prefix`; see the module docstring)."""
+  `prefix`: the rows are suffixes after shared prefixes (`TokenBatch.prefix`; see the module docstring).
+  `allowed` [B, T, A] (-1 padded): the tokens token t was drawn among (`Trajectories.allowed`); where a token has
+  any, its log-prob and entropy are those of the model's distribution renormalised over them, as the sampler drew it
+  with `choices`. None or A = 0: the whole vocabulary everywhere."""
   if with_values and not cfg.value_head:
     raise ValueError("token_logps(with_values=True) needs a model with a value head (ModelConfig.value_head=True)")
   if (score_mask is None) != (score_len is None):
     raise ValueError("token_logps: score_mask and score_len go together (score_len = score_len_for(score_mask))")
   b, t = tokens.shape
+  if allowed is None:
+    allowed = jnp.full((b, t, 0), -1, jnp.int32)
   out = forward_hidden(cfg, params, tokens, positions, valid, prefix)
   hidden = out.hidden  # [B, T, E], after the final norm
   project = functools.partial(_project, head=_head(cfg, params), cfg=cfg, temperature=temperature,
@@ -180,7 +197,8 @@ def token_logps(
   if score_mask is None or score_len >= t:
     # Position t predicts token t + 1; the last position predicts nothing (its target is a dummy, masked by shift).
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1).astype(jnp.int32)
-    lp_next, ent_next = _project_positions(project, hidden, targets, chunk_size, cfg.vocab_size)
+    allowed_next = jnp.concatenate([allowed[:, 1:], jnp.full_like(allowed[:, :1], -1)], axis=1)
+    lp_next, ent_next = _project_positions(project, hidden, targets, allowed_next, chunk_size, cfg.vocab_size)
     logp, entropy = shift(lp_next), shift(ent_next)
     if score_mask is not None:
       logp, entropy = (jnp.where(score_mask != 0, x, 0.0) for x in (logp, entropy))
@@ -192,8 +210,8 @@ def token_logps(
     idx = jax.vmap(lambda m: jnp.nonzero(m, size=score_len, fill_value=0)[0])(want)
     slot = jnp.arange(score_len)[None] < jnp.sum(want, axis=-1, keepdims=True)
     h = jnp.take_along_axis(hidden, jnp.maximum(idx - 1, 0)[..., None], axis=1)  # [B, K, E]: the predicting states
-    lp, ent = _project_positions(project, h, jnp.take_along_axis(tokens, idx, axis=1).astype(jnp.int32), chunk_size,
-                                 cfg.vocab_size)
+    lp, ent = _project_positions(project, h, jnp.take_along_axis(tokens, idx, axis=1).astype(jnp.int32),
+                                 jnp.take_along_axis(allowed, idx[..., None], axis=1), chunk_size, cfg.vocab_size)
     rows = jnp.arange(b)[:, None]
 
     def place(x):  # [B, K] slots back to their [B, T] token positions
@@ -243,27 +261,35 @@ class LogpScorer:
     self.cfg, self.batch_size, self.pad_to, self.mesh, self.rules = cfg, batch_size, pad_to, mesh, rules
     self.with_values, self.shared_prefix = with_values, shared_prefix
     if values_only:
-      self._fn = jax.jit(lambda p, tok, pos, val, mask, score_len: TokenLogps(
+      self._fn = jax.jit(lambda p, tok, pos, val, mask, allowed, score_len: TokenLogps(
           logp=jnp.zeros(tok.shape, jnp.float32), entropy=None, values=token_values(cfg, p, tok, pos, val)),
-                         static_argnums=5)
+                         static_argnums=6)
       return
     fn = functools.partial(token_logps, cfg, with_values=with_values, temperature=temperature, chunk_size=chunk_size)
     # `mask` is ignored unless score_len is set (then mask is the score mask).
-    self._fn = jax.jit(lambda p, tok, pos, val, mask, score_len: fn(
-        p, tok, pos, val, score_mask=None if score_len is None else mask, score_len=score_len), static_argnums=5)
-    self._prefix_fn = jax.jit(lambda p, tok, pos, val, mask, ptok, pval, pidx, score_len: fn(
-        p, tok, pos, val, score_mask=mask, score_len=score_len, prefix=(ptok, pval, pidx)), static_argnums=8)
+    self._fn = jax.jit(lambda p, tok, pos, val, mask, allowed, score_len: fn(
+        p, tok, pos, val, score_mask=None if score_len is None else mask, score_len=score_len, allowed=allowed),
+                       static_argnums=6)
+    self._prefix_fn = jax.jit(lambda p, tok, pos, val, mask, allowed, ptok, pval, pidx, score_len: fn(
+        p, tok, pos, val, score_mask=mask, score_len=score_len, prefix=(ptok, pval, pidx), allowed=allowed),
+                              static_argnums=9)
 
   def __call__(self, params, tokens: np.ndarray, positions: np.ndarray | None, valid: np.ndarray,
-               mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+               mask: np.ndarray | None = None, allowed: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray | None]:
     """(logp [M, T], values [M, T] or None) for rows `tokens` [M, T]; positions default to `row_positions(valid)`.
-    With `mask` [M, T], only the masked tokens are scored (the others' log-probs are 0; see token_logps)."""
+    With `mask` [M, T], only the masked tokens are scored (the others' log-probs are 0; see token_logps). With
+    `allowed` [M, T, A] (`Trajectories.allowed`), log-probs are renormalised over each token's allowed set."""
     tokens = np.asarray(tokens, np.int32)
     valid = np.asarray(valid, bool)
     if tokens.shape != valid.shape or tokens.ndim != 2:
       raise ValueError(f"LogpScorer: tokens {tokens.shape} and valid {valid.shape} must be equal [rows, length]")
     if mask is not None and np.shape(mask) != tokens.shape:
       raise ValueError(f"LogpScorer: mask {np.shape(mask)} must have the tokens' shape {tokens.shape}")
+    if allowed is not None and np.shape(allowed)[:2] != tokens.shape:
+      raise ValueError(f"LogpScorer: allowed {np.shape(allowed)} must be [rows, length, A] of the tokens' "
+                       f"{tokens.shape}")
+    allowed = np.full((*tokens.shape, 0), -1, np.int32) if allowed is None else np.asarray(allowed, np.int32)
     positions = row_positions(valid) if positions is None else np.asarray(positions, np.int32)
     # One score_len for the whole call, so its batches share one compilation.
     score_len = None if mask is None else score_len_for(mask)
@@ -275,8 +301,8 @@ class LogpScorer:
       rows = slice(start, min(start + self.batch_size, m))
       n = rows.stop - rows.start
       arrays = []
-      for x in (tokens, positions, valid, valid if mask is None else np.asarray(mask) != 0):
-        buf = np.zeros((self.batch_size, width), x.dtype)
+      for x in (tokens, positions, valid, valid if mask is None else np.asarray(mask) != 0, allowed):
+        buf = np.full((self.batch_size, width, *x.shape[2:]), -1 if x.ndim == 3 else 0, x.dtype)
         buf[:n, :t] = x[rows]
         arrays.append(buf)
       if self.shared_prefix and score_len is not None:
@@ -292,17 +318,17 @@ class LogpScorer:
     """One batch's log-probs [batch_size, width] through shared prefixes: suffixes scored, put back in place."""
     from dreamjax.rl.batch import TokenBatch, shared_prefix_layout  # batch imports this module
 
-    tokens, positions, valid, mask = arrays
+    tokens, positions, valid, mask, allowed = arrays
     if (np.where(valid, positions, 0) != row_positions(valid) * valid).any():
       raise ValueError("LogpScorer(shared_prefix=True): positions must be row_positions(valid) (a prefix's continue)")
     zeros = np.zeros(tokens.shape, np.float32)
     rows = np.zeros(tokens.shape[:1], np.int32)
     batch = TokenBatch(tokens=tokens, positions=positions, valid=valid, loss_mask=mask.astype(np.float32),
                        old_logp=zeros, ref_logp=zeros, advantages=zeros, returns=zeros, old_values=zeros, pair=rows,
-                       chosen=rows.astype(bool))
+                       chosen=rows.astype(bool), allowed=allowed)
     shared, source, offset = shared_prefix_layout(batch, pad_to=self.pad_to)
     prefix = [shared.prefix_tokens, shared.prefix_valid, shared.prefix_index]
-    suffix = [shared.tokens, shared.positions, shared.valid, shared.loss_mask != 0]
+    suffix = [shared.tokens, shared.positions, shared.valid, shared.loss_mask != 0, shared.allowed]
     if self.mesh is None:
       out = self._prefix_fn(params, *suffix, *prefix, score_len)
     else:

@@ -111,7 +111,7 @@ def _logps(model_cfg: ModelConfig, params, batch: TokenBatch, score_len: int | N
   """The model's log-probs of the batch's tokens; only of its loss tokens when the caller gives their `score_len`."""
   return token_logps(model_cfg, params, batch.tokens, batch.positions, batch.valid,
                      score_mask=None if score_len is None else batch.loss_mask, score_len=score_len,
-                     prefix=batch.prefix, **kw)
+                     prefix=batch.prefix, allowed=batch.allowed, **kw)
 
 
 def policy_gradient_objective(params, batch: TokenBatch, rng: jax.Array, cfg: PolicyGradientConfig, *,

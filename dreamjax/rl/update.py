@@ -128,8 +128,9 @@ def batch_shardings(mesh: jax.sharding.Mesh, rules: Rules = TRAIN_RULES, shared_
   fields = {f: rows for f in ("tokens", "positions", "valid", "loss_mask", "old_logp", "ref_logp", "advantages",
                               "returns", "old_values")}
   if shared_prefix:
-    return SharedPrefixBatch(**fields, pair=flat, chosen=flat, prefix_tokens=rows, prefix_valid=rows, prefix_index=flat)
-  return TokenBatch(**fields, pair=flat, chosen=flat)
+    return SharedPrefixBatch(**fields, pair=flat, chosen=flat, prefix_tokens=rows, prefix_valid=rows, prefix_index=flat,
+                             allowed=rows)
+  return TokenBatch(**fields, pair=flat, chosen=flat, allowed=rows)
 
 
 def data_parallel_size(mesh: jax.sharding.Mesh | None, rules: Rules = TRAIN_RULES) -> int:
@@ -189,6 +190,8 @@ class TrainStep:
     elif score_len < most_scored(batch.loss_mask):
       raise ValueError(f"TrainStep: score_len {score_len} is less than the {most_scored(batch.loss_mask)} loss tokens "
                        "of a row of this batch")
+    if batch.allowed is None:  # one tree for the shardings: width 0 is drawn from the whole vocabulary too
+      batch = batch.replace(allowed=np.full((*np.shape(batch.tokens), 0), -1, np.int32))
     if self.shared_prefix:  # a row keeps all its loss tokens in its suffix: score_len holds
       batch = shared_prefix_batch(batch, micro_batches=self.micro_batches, row_multiple=self.row_multiple,
                                   pad_to=self.pad_to)

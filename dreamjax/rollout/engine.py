@@ -51,8 +51,9 @@ how much was prefilled.
 `RolloutConfig.constrain_actions` makes every answer one of the row's admissible actions: the sampler gets each
 action's answer ids (`format_answer` plus the closing, what SFT trained the policy to emit) as the row's choices and
 draws only tokens that continue one of them (dreamjax/sampling/sampler.py), so a misspelt copy of an action cannot
-happen and a group's rollouts differ only in which actions they chose. The recorded log-probs stay the model's own;
-docs/paper_map.md ("Admissible-action decoding") says how the update treats them. It needs answers without a think
+happen and a group's rollouts differ only in which actions they chose. The recorded log-probs are those of the
+restricted distribution, and `Trajectories.allowed` carries each sampled token's allowed set, so that the update
+scores the same distribution (docs/paper_map.md, "Admissible-action decoding"). It needs answers without a think
 block and plain decoding; rows whose env lists no admissible actions are not limited.
 
 The engine sees the env only through the BatchEnv protocol, so real envs, env pools and the experience model's
@@ -117,7 +118,7 @@ class _Turn:
   prompt_kinds: np.ndarray  # int32
   sampled: np.ndarray  # int32 ids, stop token included
   logps: np.ndarray  # float32
-  forced: np.ndarray  # bool per sampled id: the row's choices allowed no other token there (constrain_actions)
+  allowed: list[np.ndarray]  # per sampled id, the tokens its choices allowed there (empty: any; constrain_actions)
   reward: float
   done: bool
   invalid: bool
@@ -144,14 +145,15 @@ class _Episode:
   budget_cut: bool = False  # the run's env-step budget ran out before the episode ended
 
 
-def forced_tokens(choices: np.ndarray, ids: np.ndarray) -> np.ndarray:
-  """Per sampled id, whether `choices` [C, L] (one row of the sampler's, -1 padded) allowed only that token there,
-  given the ids before it; all False for a row without choices."""
+def allowed_tokens(choices: np.ndarray, ids: np.ndarray) -> list[np.ndarray]:
+  """Per sampled id, the sorted tokens `choices` [C, L] (one row of the sampler's, -1 padded) allowed there given the
+  ids before it, exactly as the sampler limits them; an empty set where nothing limited the draw (a row without
+  choices, the ids past L, or past the end of every choice the row still matched)."""
   matching = choices[:, 0] >= 0
-  out = np.zeros(len(ids), bool)
-  for j, token in enumerate(ids[:choices.shape[1]]):
-    column = choices[:, j]
-    out[j] = len(np.unique(column[matching & (column >= 0)])) == 1
+  out = []
+  for j, token in enumerate(ids):
+    column = choices[:, j] if j < choices.shape[1] else np.full(len(choices), -1, choices.dtype)
+    out.append(np.unique(column[matching & (column >= 0)]).astype(np.int32))
     matching &= column == token
   return out
 
@@ -276,9 +278,9 @@ class RolloutEngine:
         ids = np.asarray(out.tokens[r, :out.lengths[r]], np.int32)
         stopped = bool(out.stopped[r])
         text = tok.decode(ids[:-1] if stopped else ids)
-        forced = forced_tokens(choices[r], ids) if choices is not None else np.zeros(len(ids), bool)
-        stats["forced_tokens"] += int(forced.sum())
-        answers[r] = (ids, np.asarray(out.logps[r, :len(ids)], np.float32), forced, stopped, text, parse_answer(text))
+        allowed = allowed_tokens(choices[r], ids) if choices is not None else [np.zeros(0, np.int32)] * len(ids)
+        stats["forced_tokens"] += sum(len(a) == 1 for a in allowed)
+        answers[r] = (ids, np.asarray(out.logps[r, :len(ids)], np.float32), allowed, stopped, text, parse_answer(text))
         actions[r] = answers[r][5].action
       if steps_left is not None:  # rows past the budget, in row order, are cut before their action reaches the env
         stepping = [r for r in live if actions[r] is not None]
@@ -296,7 +298,7 @@ class RolloutEngine:
           raise RuntimeError(f"RolloutEngine.run: env.step_batch returned {len(results)} results for {n} rows")
 
       for r in live:
-        ids, logps, forced, stopped, text, parsed = answers[r]
+        ids, logps, allowed, stopped, text, parsed = answers[r]
         ep = eps[r]
         builder = builders[r]
         prompt_kinds = np.concatenate([np.asarray(builder.kinds, np.int32), self._frame])
@@ -316,7 +318,7 @@ class RolloutEngine:
           action, next_obs, next_state = parsed.action, res.observation, res.observation.state
           score = res.info.get("score") if res.info else None
           ep.score = float(score) if isinstance(score, int | float) and not isinstance(score, bool) else ep.score
-        ep.turns.append(_Turn(prompts[r], prompt_kinds, ids, logps, forced, reward, done, invalid,
+        ep.turns.append(_Turn(prompts[r], prompt_kinds, ids, logps, allowed, reward, done, invalid,
                               truncated=not stopped))
         ep.steps.append(StepRecord(ep.state, action, next_state, reward, done, success, invalid, ep.admissible,
                                    "policy"))
@@ -382,22 +384,26 @@ class RolloutEngine:
     width = max([len(t.prompt) + len(t.sampled) for _, _, t in turns] + [1])
     tokens = np.full((m, width), self.tokenizer.pad_id, np.int32)
     kinds = np.full((m, width), Kind.PAD, np.int32)
-    forced = np.zeros((m, width), bool)
+    most = max([len(a) for _, _, t in turns for a in t.allowed] + [0])
+    allowed = np.full((m, width, most), -1, np.int32)
     logp = np.zeros((m, width), np.float32)
     turn_rows = np.full((len(eps), self.cfg.max_turns), -1, np.int32)
     for row, (e, t, turn) in enumerate(turns):
       p, s = len(turn.prompt), len(turn.sampled)
       tokens[row, :p], tokens[row, p:p + s] = turn.prompt, turn.sampled
       kinds[row, :p], kinds[row, p:p + s] = turn.prompt_kinds, Kind.ACTION
-      forced[row, p:p + s] = turn.forced
+      for j, a in enumerate(turn.allowed):
+        allowed[row, p + j, :len(a)] = a
       logp[row, p:p + s] = turn.logps
       turn_rows[e, t] = row
     prompt_lengths = np.asarray([len(t.prompt) for _, _, t in turns], np.int32).reshape(m)
+    forced = (allowed >= 0).sum(-1) == 1  # no choice there: out of the loss (see dreamjax.rollout.trajectory)
     col = lambda f, dtype: np.asarray([f(t) for _, _, t in turns], dtype).reshape(m)  # noqa: E731
     run_id = hashlib.blake2b(np.asarray(jax.random.key_data(key)).tobytes(), digest_size=6).hexdigest()
     records = tuple(self._record(ep, r, run_id, policy_version) for r, ep in enumerate(eps))
     return Trajectories(
         tokens=tokens, kinds=kinds, loss_mask=((kinds == Kind.ACTION) & ~forced).astype(np.int32), rollout_logp=logp,
+        allowed=allowed if self.cfg.constrain_actions else None,
         lengths=prompt_lengths + col(lambda t: len(t.sampled), np.int32), prompt_lengths=prompt_lengths,
         episode=np.asarray([e for e, _, _ in turns], np.int32).reshape(m),
         turn=np.asarray([t for _, t, _ in turns], np.int32).reshape(m),

@@ -9,7 +9,10 @@ Alignment: `rollout_logp[m, t]` is the log-prob of `tokens[m, t]` (a sampled tok
 `tokens[m, :t]`; the update computes the same quantity from logits at t - 1. `loss_mask` is 1 on the sampled tokens
 (Kind.ACTION), including the stop token, and 0 on prompts and padding; with `RolloutConfig.constrain_actions` it is also
 0 on sampled tokens that the row's admissible actions forced (no other token could follow there: the policy chose
-nothing, so nothing there is credited; docs/paper_map.md, "Admissible-action decoding").
+nothing, so nothing there is credited; docs/paper_map.md, "Admissible-action decoding"). With that option
+`rollout_logp` is the log-prob renormalised over the tokens the admissible actions allowed at that step, the
+distribution the token was drawn from, and `allowed[m, t]` lists those tokens (-1 padded; all -1 where nothing
+limited the draw), so the update and the reference score the same distribution (`dreamjax.rl.logprobs`).
 
 Episode e has turns `turn_rows[e, :num_turns[e]]` (row indices into the turn arrays, -1 after the last). Episodes with
 the same task in one batch share `group[e]` (the GRPO group). `env_error[e]` marks an episode the env ended by failing
@@ -35,7 +38,7 @@ class Trajectories:
   tokens: np.ndarray  # int32 [M, T]
   kinds: np.ndarray  # int32 [M, T]: dreamjax.text.Kind codes
   loss_mask: np.ndarray  # int32 [M, T]: 1 on sampled action tokens (not forced ones)
-  rollout_logp: np.ndarray  # float32 [M, T]: sampler log-probs on sampled tokens, 0 elsewhere
+  rollout_logp: np.ndarray  # float32 [M, T]: sampler log-probs on sampled tokens, 0 elsewhere (see `allowed`)
   lengths: np.ndarray  # int32 [M]: prompt + action tokens
   prompt_lengths: np.ndarray  # int32 [M]
   episode: np.ndarray  # int32 [M]: episode index
@@ -59,6 +62,8 @@ class Trajectories:
   stats: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   # bool [N]: the run's env-step budget stopped the episode (RolloutEngine.run's max_env_steps); None: none did.
   budget_cut: np.ndarray | None = None
+  # int32 [M, T, A]: the tokens each sampled token was drawn among (constrain_actions), -1 padded; None: unrestricted.
+  allowed: np.ndarray | None = None
 
   def __post_init__(self):
     if self.budget_cut is None:

@@ -25,9 +25,9 @@ set of whole token sequences, [B, C, L] int32, -1 padded (a policy that must ans
 actions). At each step only tokens that continue a choice the row still matches can be drawn: the logits of every
 other token are -inf before temperature, top-k and top-p, so the answer is always one of the choices, drawn with
 probability proportional to the product of the model's probabilities of its tokens, each renormalised over the
-tokens the choices allow at that step. A row whose choices are all -1 is not limited. The recorded log-probs are the
-model's own (unrestricted) ones, which is what the trainer recomputes; docs/paper_map.md ("Admissible-action
-decoding") says what that means for the update.
+tokens the choices allow at that step. A row whose choices are all -1 is not limited. The recorded log-probs are
+those renormalised ones, of the distribution each token was drawn from: the trainer recomputes them from the same
+allowed sets (`dreamjax.rl.logprobs`, `allowed`; docs/paper_map.md, "Admissible-action decoding").
 """
 
 from __future__ import annotations
@@ -208,15 +208,13 @@ def _restricted(logits, choices, matching, emitted):
 
 
 def _choose(logits, u, sp: SamplingParams, choices, matching, emitted):
-  """`choose_tokens`, within each row's choices when `choices` is given: (token, the model's unrestricted log-prob of
-  it, the choices the row still matches after it)."""
+  """`choose_tokens`, within each row's choices when `choices` is given: (token, its log-prob under the distribution
+  it was drawn from, renormalised over the allowed tokens, the choices the row still matches after it)."""
   if choices is None:
     token, logp = choose_tokens(logits, u, sp.temperature, sp.top_p, sp.top_k)
     return token, logp, matching
   restricted, nxt = _restricted(logits, choices, matching, emitted)
-  token, _ = choose_tokens(restricted, u, sp.temperature, sp.top_p, sp.top_k)
-  temperature = jnp.where(sp.temperature <= 0, 1.0, sp.temperature)[:, None]
-  logp = jnp.take_along_axis(jax.nn.log_softmax(logits / temperature, -1), token[:, None], -1)[:, 0]
+  token, logp = choose_tokens(restricted, u, sp.temperature, sp.top_p, sp.top_k)
   return token, logp, matching & (nxt == token[:, None])
 
 
