@@ -1,6 +1,7 @@
-"""Real-env GRPO on the twc testbed's games with answers restricted to the admissible actions: the run that gained
-+0.24 sampled and +0.11 greedy in 59 minutes on 2 CPU cores (experiments/RESULTS.md, "Admissible-action decoding on
-twc"; runs/grpo_twc2_CL there).
+"""Real-env GRPO on the twc testbed's games with answers restricted to the admissible actions. These settings gained
++0.24 sampled and +0.11 greedy in 59 minutes on 2 CPU cores when the update scored unrestricted log-probs
+(runs/grpo_twc2_CL), and +0.135 greedy and sampled in 61 minutes with the exact restricted ones, from
+configs/reproduce_twc.py's SFT policy (runs/grpo_twc_X0); experiments/RESULTS.md, seventh and eighth stops.
 
 Warm start: runs/reproduce/twc/sft/checkpoint, the SFT stage of `dreamjax reproduce --config
 configs/reproduce_twc.py` (any HF checkpoint via --set model.checkpoint=...).

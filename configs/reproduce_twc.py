@@ -8,8 +8,9 @@ over the admissible actions succeeds 0.035 [0.017, 0.070] and the gold path 1.00
 
 Answers are restricted to the admissible actions (`RolloutConfig.constrain_actions`) in every stage: free answers
 from the tiny policy were 44-66% inadmissible, which measured its spelling of item names more than its choices. With
-restriction the SFT policy of 400 steps scores 0.600 greedy and 0.380 sampled on the held-out games, and real-env
-GRPO with the settings below gained +0.24 sampled in 59 minutes (experiments/RESULTS.md).
+restriction this config's SFT policy (400 steps) scores 0.530 greedy and 0.460 sampled on the held-out games, and
+real-env GRPO from it with the settings below gained +0.135 greedy and sampled in 61 minutes, one seed
+(experiments/RESULTS.md, eighth stop).
 
 Held out = unseen games of the train fold (tasks 600-799). TWX's dev games use item names no train game has (none of
 89 dev items is among the 185 of the train games), which a policy trained from scratch cannot read: it scores 0.00
