@@ -39,7 +39,6 @@ HELD_OUT_START = 600  # the first train-fold task no collector and no RL run dra
 
 def config() -> ReproduceConfig:
   base = load_config(f"{HERE / 'reproduce_twx.py'}:tiny")
-  coin11 = load_config(f"{HERE / 'reproduce_coin11.py'}")
   cfg = on_env(dataclasses.replace(base, out_dir="runs/reproduce/twc"), env="textworld_express",
                env_kwargs=(f"step_limit={STEP_LIMIT}",),
                agent=AgentFormat(think=False, history_turns=2, history_token_budget=256),
@@ -69,9 +68,8 @@ def config() -> ReproduceConfig:
           eval=dataclasses.replace(cfg.sft.eval, num_tasks=50, every_steps=400, train_tasks=0)),
       dpo=dataclasses.replace(cfg.dpo, pairs=PairConfig(chosen_policies=EXPERTS, rejected_policies=("random", "eps0.3"),
                                                         max_pairs_per_task=2)),
-      # coin11's M_exp (3 layers, width 128, reasoning on), trained three times as long: at 500 steps (0.6 epochs) it
-      # wrote item names remembered from training games, as the policy did at 400 steps (exact match 0.00).
-      exp=dataclasses.replace(coin11.exp, steps=1600, optim=dataclasses.replace(coin11.exp.optim, total_steps=1600)),
+      # configs/train_exp_twc.py (reasoning on, next states as their changed lines), without its periodic checks.
+      exp=dataclasses.replace(load_config(f"{HERE / 'train_exp_twc.py'}"), eval_every=0),
       real=real,
       # DreamGym trains exactly as real-env RL does, in M_exp's episodes.
       dreamgym=dataclasses.replace(cfg.dreamgym, reasoning=True,

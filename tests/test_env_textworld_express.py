@@ -15,6 +15,7 @@ from dreamjax.envs.textworld_express import (
     state_fields,
     tasks,
 )
+from dreamjax.experience.format import apply_state_changes, state_change_text
 
 GAMES = ("cookingworld", "twc", "coin")
 
@@ -91,6 +92,27 @@ def test_uniform_random_policy_mostly_fails(env, game, monkeypatch):
         break
     wins += result.success
   assert wins <= 1
+
+
+@pytest.mark.parametrize("game", GAMES)
+def test_every_real_transition_is_its_state_with_fields_changed(env, game):
+  """M_exp's state-changes format (ExpFormatConfig.state_changes) holds for these states: each next state is the
+  current one with some "Field: value" lines set or removed, rebuilt exactly, in random and expert play."""
+  rng = random.Random(0)
+  for seed in range(3):
+    state = (obs := env.reset(_task(env, game, seed))).state
+    for _ in range(12):
+      result = env.step(rng.choice(obs.admissible))
+      obs = result.observation
+      text = state_change_text(state, obs.state)  # raises where the changes do not rebuild the next state
+      assert apply_state_changes(state, text) == (obs.state, "")
+      state = obs.state
+      if result.done:
+        break
+  state = env.reset(task := _task(env, game, 5)).state
+  for result in _run_expert(env, task):  # resets to the same first state
+    assert apply_state_changes(state, state_change_text(state, result.observation.state))[0] == result.observation.state
+    state = result.observation.state
 
 
 def test_invalid_action_continues_without_reaching_twx(env):

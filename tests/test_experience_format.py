@@ -16,11 +16,13 @@ from dreamjax.experience.format import (
     ExpFormatConfig,
     ExpPrediction,
     action_lists,
+    apply_state_changes,
     build_prompt,
     parse_output,
     render_target,
     render_user,
     sft_example,
+    state_change_text,
     system_prompt,
     transition_example,
     transition_target,
@@ -32,6 +34,7 @@ STATE = "Location: kitchen\nYou see: fridge (closed), counter (knife, apple 🍎
 NEXT = "Location: kitchen\nYou see: fridge (open: milk), counter (knife, apple 🍎)\nInventory: nothing\nFeedback: Ok."
 ON, OFF = ExpFormatConfig(), ExpFormatConfig(reasoning=False)
 BARE = ExpFormatConfig(reasoning=False, actions=False)  # neither think nor actions block
+CHANGES = ExpFormatConfig(state_changes=True)  # the next state as its changed lines
 ACTS = ("open fridge", "take apple 🍎", "go  north ")  # kept verbatim, in the env's order
 
 
@@ -112,6 +115,52 @@ def test_render_target_refuses_bad_targets(args, message):
     render_target(ON, *args)
 
 
+def test_state_changes_are_exact_and_round_trip():
+  assert state_change_text(STATE, NEXT) == "You see: fridge (open: milk), counter (knife, apple 🍎)\nFeedback: Ok."
+  assert state_change_text(NEXT, STATE) == "-Feedback\nYou see: fridge (closed), counter (knife, apple 🍎)"
+  assert state_change_text(STATE, STATE) == "(no change)"
+  assert state_change_text(STATE, "Location: hall") == "-You see\n-Inventory\nLocation: hall"
+  for before, after in [(STATE, NEXT), (NEXT, STATE), (STATE, STATE), (NEXT, "Location: hall")]:
+    assert apply_state_changes(before, state_change_text(before, after)) == (after, "")
+    target = render_target(CHANGES, "why", after, 0.0, False, False, admissible=ACTS, state=before)
+    assert f"<next_state>\n{state_change_text(before, after)}\n</next_state>\n<actions>" in target
+    # The parser applies the changes: a prediction always holds the whole next state.
+    assert parse_output(target, CHANGES, before) == ExpPrediction(after, 0.0, False, False, "why", True, "", False,
+                                                                  ACTS)
+  assert "\"-Field\"" in system_prompt(CHANGES) and "the whole next state" not in system_prompt(CHANGES)
+  # A recorded transition's target is taken against its own state.
+  t = _transition(3)
+  assert "<next_state>\nLocation: room 4\n</next_state>" in transition_target(CHANGES, t, "", ())
+
+
+@pytest.mark.parametrize("before, after, message", [
+    ("A: 1\nB: 2", "B: 2\nA: 1", "fields reordered"),
+    ("A: 1\nA: 2", "A: 1\nA: 3", "sets a field the current state holds 2 times"),
+    ("A: 1", "A: 1\nfree text", "neither \"Field: value\" nor \"-Field\""),
+])
+def test_state_changes_refuse_states_they_cannot_rebuild(before, after, message):
+  with pytest.raises(ValueError, match=message):
+    state_change_text(before, after)
+  t = dataclasses.replace(_transition(2), state=before, next_state=after)
+  with pytest.raises(ValueError, match="episode 'expert:coin/train/2', step 2: .*state_changes=False"):
+    transition_target(CHANGES, t, "", ())
+  with pytest.raises(ValueError, match="no current state is given"):
+    render_target(CHANGES, "why", NEXT, 0.0, False, False)
+
+
+@pytest.mark.parametrize("changes, state, error", [
+    ("-Nope", STATE, "removes a field the current state does not hold once"),
+    ("garbage", STATE, "is neither \"Field: value\" nor \"-Field\""),
+    ("-Location\n-You see\n-Inventory", STATE, "the changes remove every line of the state"),
+    ("Location: hall", "", "no current state to apply the <next_state> changes to"),
+])
+def test_unusable_state_changes_are_failure_outcomes(changes, state, error):
+  text = _good(next_state=changes)
+  p = parse_output(text, CHANGES, state)
+  assert not p.ok and p.next_state == FAILURE_STATE and error in p.error
+  assert parse_output(text, ON, state).ok  # the whole-state format reads the same block as a state
+
+
 def _good(**parts) -> str:
   blocks = {"think": "\nwhy\n", "next_state": "\nstate\n", "actions": "\nlook\n", "invalid": "false", "reward": "0",
             "done": "false", "success": "false"} | parts
@@ -183,16 +232,18 @@ def test_parser_edge_cases():
 
 def test_parser_is_total_under_fuzzing():
   rng = random.Random(0)
-  cfgs = (ON, OFF, BARE)
-  valid = {cfg: [render_target(cfg, r, s, *o, admissible=() if o[1] else ACTS) for r, s in [("why", NEXT), ("", "é")]
+  cfgs = (ON, OFF, BARE, CHANGES)  # CHANGES reads every output against STATE
+  nexts = {cfg: [("why", NEXT), ("", "Location: é")] if cfg.state_changes else [("why", NEXT), ("", "é")]
+           for cfg in cfgs}
+  valid = {cfg: [render_target(cfg, r, s, *o, admissible=() if o[1] else ACTS, state=STATE) for r, s in nexts[cfg]
                  for o in [(0.0, False, False, False), (1.0, True, True, False), (0.0, True, False, True)]]
            for cfg in cfgs}
   # Every strict prefix of a valid output is a failure (the last tag is cut), and never raises.
   for cfg in cfgs:
     for text in valid[cfg]:
-      assert parse_output(text, cfg).ok
+      assert parse_output(text, cfg, STATE).ok
       for n in range(len(text)):
-        p = parse_output(text[:n], cfg)
+        p = parse_output(text[:n], cfg, STATE)
         assert not p.ok and p.error and p.next_state == FAILURE_STATE, (n, text[:n])
   pieces = ["<think>", "</think>", "<next_state>", "</next_state>", "<actions>", "</actions>", "<invalid>", "</invalid>",
             "<reward>", "</reward>", "<done>", "</done>", "<success>", "</success>", "0", "1", "true", "false", "\n",
@@ -217,7 +268,7 @@ def test_parser_is_total_under_fuzzing():
     else:  # arbitrary unicode
       text = "".join(chr(rng.randrange(0x110000)) for _ in range(rng.randint(0, 40)))
     for cfg in cfgs:
-      p = parse_output(text, cfg)
+      p = parse_output(text, cfg, STATE)
       assert isinstance(p, ExpPrediction) and isinstance(p.error, str)
       if p.ok:  # whatever parses is a consistent outcome, a real state and a renderable list
         assert p.error == "" and p.next_state.strip() and p.next_state != FAILURE_STATE

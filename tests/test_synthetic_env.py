@@ -30,6 +30,7 @@ from dreamjax.experience.format import (
     transition_example,
     transition_target,
 )
+from dreamjax.envs.textworld_express import state_fields
 from dreamjax.experience.synthetic_env import SyntheticEnv, initial_states_from
 from dreamjax.models import Transformer, init_params, tiny
 from dreamjax.replay.encoder import BackbonePooledEncoder
@@ -315,6 +316,34 @@ def test_a_row_that_never_parses_ends_as_an_env_failure(cfg, tok, retriever, rec
     env.reset_batch([records[0].task])
     assert env_failed(env.step_batch([records[0].steps[0].action])[0]) and len(sampler.calls) == 1
     assert (env.stats["exp_retries"], env.stats["exp_failures"]) == (0, 1)
+
+
+def test_state_changes_are_applied_to_each_row_s_own_state(cfg, tok, retriever, records):
+  """With `ExpFormatConfig.state_changes` M_exp writes only the changed lines, and the env applies them to the row's
+  current state: the policy reads whole states, as with the whole-state format. Changes that do not apply are a
+  malformed answer (resampled, then an env failure)."""
+  fmt = dataclasses.replace(FMT, state_changes=True)
+  step = [[(t, following) for t, (_, following) in zip(transitions([r]), action_lists([r]))] for r in records[:2]]
+  answers = [{e: transition_target(fmt, *step[e][j][:1], _reason(step[e][j][0]), step[e][j][1]) for e in (0, 1)}
+             for j in (0, 1)]
+  first = records[0].steps[0]
+  assert f"<next_state>\nFeedback: {state_fields(first.next_state)['Feedback']}\n</next_state>" in answers[0][0]
+  bad = "<think>\nx\n</think>\n<next_state>\n-Nope\n</next_state>\n<actions>\n</actions>\n<invalid>false</invalid>\n" \
+        "<reward>0</reward>\n<done>false</done>\n<success>false</success>"
+  script = [answers[0], {0: answers[1][0], 1: bad}, {1: bad}, {1: bad}]
+  env = SyntheticEnv(cfg, None, tok, fmt, retriever, initial_states=initial_states_from(records), max_new_tokens=MAX_NEW,
+                     temperature=1.0, prompt_buckets=BUCKETS, key=jax.random.key(0))
+  env.sampler = ScriptedSampler(tok, lambda call, row: script[call][row], MAX_NEW)
+  env.reset_batch([r.task for r in records[:2]])
+  for j in (0, 1):
+    results = env.step_batch([r.steps[j].action for r in records[:2]])
+    for e in range(2 - j):  # row 1's second answer never applies
+      s = records[e].steps[j]
+      assert (results[e].observation.state, results[e].reward, results[e].done) == (s.next_state, s.reward, s.done)
+      assert results[e].observation.admissible == step[e][j][1] and not env_failed(results[e])
+  assert env_failed(results[1]) and "removes a field the current state does not hold once" in results[1].info[
+      "exp_error"]
+  assert (env.stats["parse_failures"], env.stats["exp_failures"]) == (3, 1)
 
 
 # --- a fine-tuned model replays the records ----------------------------------------------------------------------

@@ -84,6 +84,12 @@ def test_twc_trains_and_scores_on_disjoint_games_of_one_fold(variant):
     grpo = load_config("configs/grpo_real_twc.py")
     assert dataclasses.replace(cfg.real, out_dir=grpo.out_dir, model=grpo.model, train_tasks=grpo.train_tasks) == grpo
     assert cfg.sft.max_steps == 400 and cfg.eval.sampled
+    # M_exp is configs/train_exp_twc.py's, trained on this config's collection (the reproduce stage sets the paths).
+    exp = load_config("configs/train_exp_twc.py")
+    assert dataclasses.replace(cfg.exp, trajectories=exp.trajectories, out_dir=exp.out_dir, eval_every=exp.eval_every) \
+        == exp
+    assert exp.trajectories == ("runs/reproduce/twc/data/trajectories.jsonl",) and cfg.out_dir == "runs/reproduce/twc"
+  assert cfg.exp.format.state_changes  # twc's next states are the current ones with a few fields changed
   # Every answer is one of the admissible actions, with room for the longest (19 tokens).
   assert all(c.rollout.constrain_actions and c.rollout.max_action_tokens == 24 for c in stages)
 

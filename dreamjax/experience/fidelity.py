@@ -119,10 +119,11 @@ class Predictor:
           out[i] = self.tokenizer.decode(res.tokens[j, :n])
     return out
 
-  def predict(self, prompts: Sequence[np.ndarray], temperature: float = 0.0,
+  def predict(self, prompts: Sequence[np.ndarray], states: Sequence[str], temperature: float = 0.0,
               seed: int = 0) -> tuple[list[str], list[ExpPrediction]]:
+    """Greedy (or sampled) answers to `prompts`, parsed against each prompt's current state."""
     texts = self.generate(prompts, temperature, seed)
-    return texts, [parse_output(t, self.fmt) for t in texts]
+    return texts, [parse_output(t, self.fmt, s) for t, s in zip(texts, states, strict=True)]
 
 
 # --- scoring ---------------------------------------------------------------------------------------------------------
@@ -271,7 +272,8 @@ def one_step(predictor: Predictor, examples: Sequence[ExpExample], *, scorer: Lo
   """
   truths = [e.transition for e in examples]
   prompts = [e.prompt for e in examples]
-  texts, preds = predictor.predict(prompts)
+  states = [t.state for t in truths]
+  texts, preds = predictor.predict(prompts, states)
   reveal = reveal_mask(truths, predictor.fmt)
   model = score(truths, preds, [e.next_admissible for e in examples] if predictor.fmt.actions else None, reveal)
   copy = score(truths, [copy_prediction(t) for t in truths], reveal=reveal)
@@ -283,7 +285,7 @@ def one_step(predictor: Predictor, examples: Sequence[ExpExample], *, scorer: Lo
   if tv_samples > 0 and examples:
     hits = np.zeros(len(examples))
     for s in range(tv_samples):
-      _, sampled = predictor.predict(prompts, temperature=1.0, seed=seed + 1 + s)
+      _, sampled = predictor.predict(prompts, states, temperature=1.0, seed=seed + 1 + s)
       hits += [p.next_state == t.next_state for t, p in zip(truths, sampled)]
     tv = 1.0 - hits / tv_samples
     model |= {"eps_P_sampled_mean": float(tv.mean()), "eps_P_sampled_max": float(tv.max()), "tv_samples": tv_samples}
@@ -336,7 +338,7 @@ def open_loop(predictor: Predictor, records: Sequence[TrajectoryRecord], annotat
           tok.chat_format.assistant.suffix)
       prompts.append(builder.prompt(t.instruction, history[i], neighbours, states[i], t.action, h, reserve,
                                     admissible=shown[i]))
-    _, out = predictor.predict(prompts)
+    _, out = predictor.predict(prompts, [states[i] for i in live])
     for i, t, p in zip(live, steps, out):
       preds[i].append(p)
       history[i].append((states[i], t.action))

@@ -32,6 +32,24 @@ state's list (the recorded one, or the one M_exp predicted on the step before), 
 everything its list is made of (TextWorld-Express lists distractor objects' actions, for one). Which envs use it and
 why: see dreamjax/experience/synthetic_env.py.
 
+State changes (switch `ExpFormatConfig.state_changes`, off by default): in a text env whose states are
+"Field: value" lines (TextWorld-Express, ALFWorld), an action changes one or two fields and the rest of the state is
+copied. A small model's exact match is lost on that copy (a long "You see" list rewritten with one token wrong), so
+with the switch on the next_state block holds only the changes:
+
+  <next_state>
+  Inventory: flour
+  Feedback: You take the flour.
+  </next_state>
+
+Each line either sets a field ("Field: value": replaced in place, or appended after the last line when the current
+state lacks it) or removes one ("-Field"); "(no change)" alone says the state is unchanged. `state_change_text` writes
+them (removals first, then the set lines in the next state's order) and `apply_state_changes` reads them back; the
+parser applies them to the current state, so `ExpPrediction.next_state` is always the whole state and everything
+downstream (SyntheticEnv, fidelity metrics) is unchanged. A target whose changes do not rebuild the next state exactly
+(duplicate fields, a line that is not "Field: value", fields reordered) is an error naming the transition: that env
+needs the whole-state format.
+
 Without reasoning (the ablation switch `ExpFormatConfig.reasoning=False`) the think block is absent. The target is
 appended to the prompt as the assistant turn with `Kind.ACTION`, so the SFT loss mask covers exactly the target
 tokens and its end-of-turn token: both terms of Eq. 5 (reasoning, then next state and reward) under one mask.
@@ -86,6 +104,9 @@ class ExpFormatConfig:
   tutorial: bool = False  # the annotator's task tutorial (overall plan, success and failure modes) in the prompt
   # the admissible actions: the current state's in the prompt, the next state's as a target block (module docstring)
   actions: bool = True
+  # the next state written as its changed lines only ("Field: value" set, "-Field" removed), applied to the current
+  # state by the parser (module docstring, "State changes"); for envs whose states are unique "Field: value" lines
+  state_changes: bool = False
   max_history: int = 4  # most recent (state, action) pairs shown
   k: int = 3  # retrieved transitions shown (the first k given)
   max_state_chars: int = 2000  # each state shown in the prompt (current, history, retrieved) is clipped to this
@@ -139,13 +160,15 @@ def system_prompt(cfg: ExpFormatConfig) -> str:
   listed = ", the actions admissible in it" if cfg.actions else ""
   actions = ("<actions>\nthe actions admissible in the next state, one per line, in the environment's order (none "
              "when the episode ends)\n</actions>\n") if cfg.actions else ""
+  state = ("the next state's lines that differ from the current state's, one per line: \"Field: value\" for a field "
+           "set or added, \"-Field\" for a field removed, or (no change)") if cfg.state_changes else "the whole next state"
   return (
       "You simulate an interactive environment for an agent. You are given the agent's task, examples of similar "
       f"past transitions, the recent history of the episode, the current state{listed} and the agent's action. "
       f"{first} the environment's response: the next state, written in exactly the same format as the states you "
       f"are shown{listed}, whether the environment rejects the action as invalid, and the outcome.\n"
       "Answer in exactly this format:\n"
-      f"{think}<next_state>\nthe whole next state\n</next_state>\n{actions}<invalid>true or false</invalid>\n"
+      f"{think}<next_state>\n{state}\n</next_state>\n{actions}<invalid>true or false</invalid>\n"
       "<reward>0 or 1</reward>\n"
       "<done>true or false</done>\n<success>true or false</success>\n"
       "The reward is 1 only when the action completes the task, and then done and success are true. An invalid or "
@@ -219,6 +242,58 @@ def build_prompt(tokenizer: Tokenizer, cfg: ExpFormatConfig, instruction: str, h
   return SegmentBuilder(tokenizer).append(Kind.SYSTEM, system_prompt(cfg)).append(Kind.TASK, user)
 
 
+# --- state changes ---------------------------------------------------------------------------------------------------
+
+NO_CHANGE = "(no change)"
+
+
+def _field(line: str) -> str | None:
+  """The field name of a "Field: value" line, else None."""
+  key, sep, _ = line.partition(": ")
+  return key if sep and key and not key.startswith("-") else None
+
+
+def apply_state_changes(state: str, changes: str) -> tuple[str, str]:
+  """(the state after `changes`, "") or ("", what is wrong). Never raises (the parser's contract)."""
+  if changes.strip() == NO_CHANGE:
+    return state, ""
+  lines = state.splitlines()
+  for change in changes.split("\n"):
+    if change.startswith("-"):
+      names = [i for i, line in enumerate(lines) if _field(line) == change[1:]]
+      if len(names) != 1:
+        return "", f"the change {clip(change, 60)!r} removes a field the current state does not hold once"
+      del lines[names[0]]
+      continue
+    name = _field(change)
+    if name is None:
+      return "", f"the change {clip(change, 60)!r} is neither \"Field: value\" nor \"-Field\""
+    at = [i for i, line in enumerate(lines) if _field(line) == name]
+    if len(at) > 1:
+      return "", f"the change {clip(change, 60)!r} sets a field the current state holds {len(at)} times"
+    if at:
+      lines[at[0]] = change
+    else:
+      lines.append(change)
+  return ("\n".join(lines), "") if lines else ("", "the changes remove every line of the state")
+
+
+def state_change_text(state: str, next_state: str) -> str:
+  """The changes that turn `state` into `next_state` (the module docstring's format). Raises ValueError when no such
+  text rebuilds `next_state` exactly from `state`."""
+  before = {_field(line): line for line in state.splitlines()}
+  after = [(_field(line), line) for line in next_state.splitlines()]
+  kept = {name for name, _ in after}
+  text = "\n".join([f"-{name}" for name in before if name not in kept]
+                   + [line for name, line in after if before.get(name) != line]) or NO_CHANGE
+  rebuilt, problem = apply_state_changes(state, text)
+  if problem or rebuilt != next_state:
+    raise ValueError("the next state is not the current one with some \"Field: value\" lines set or removed "
+                     f"({problem or 'fields reordered, repeated or not of that form'}); this env needs "
+                     "ExpFormatConfig(state_changes=False)")
+  return text
+
+
 # --- the target ------------------------------------------------------------------------------------------------------
 
 
@@ -238,9 +313,10 @@ def _actions_problem(admissible: Sequence[str]) -> str:
 
 
 def render_target(cfg: ExpFormatConfig, reasoning: str, next_state: str, reward: float, done: bool,
-                  success: bool, invalid: bool = False, admissible: Sequence[str] = ()) -> str:
+                  success: bool, invalid: bool = False, admissible: Sequence[str] = (), state: str = "") -> str:
   """The text M_exp is trained to write; `parse_output` reads it back exactly (tested). `admissible`: the actions
-  admissible in `next_state` (the actions block; ignored when the format has none).
+  admissible in `next_state` (the actions block; ignored when the format has none); `state`: the current state, which
+  the format's state changes are taken against (ignored without them).
 
   Raises ValueError for an outcome that is not a consistent binary one, for text that holds a format tag (it would
   make the target unparseable), and for admissible actions that are not single lines or follow the episode's end.
@@ -261,6 +337,10 @@ def render_target(cfg: ExpFormatConfig, reasoning: str, next_state: str, reward:
     if problem:
       raise ValueError(f"render_target: {problem}")
     actions = "<actions>\n" + "".join(f"{a}\n" for a in admissible) + "</actions>\n"
+  if cfg.state_changes:
+    if not state.strip():
+      raise ValueError("render_target: the format writes state changes, and no current state is given")
+    next_state = state_change_text(state, next_state)
   think = f"<think>\n{reasoning}\n</think>\n" if cfg.reasoning else ""
   return (f"{think}<next_state>\n{next_state}\n</next_state>\n{actions}<invalid>{_flag(invalid)}</invalid>\n"
           f"<reward>{_reward_text(float(reward))}</reward>\n"
@@ -290,7 +370,7 @@ def transition_target(cfg: ExpFormatConfig, t: Transition, reasoning: str = "",
                      f"step), and the format has the actions block")
   try:
     return render_target(cfg, reasoning, t.next_state, t.reward, t.done, t.success, t.invalid,
-                         () if next_admissible is None else next_admissible)
+                         () if next_admissible is None else next_admissible, t.state)
   except ValueError as e:
     raise ValueError(f"{where}: {e}") from None
 
@@ -339,8 +419,9 @@ def _parse_reward(value: str) -> tuple[float | None, str]:
   return None, f"<reward> is {clip(value.strip(), 40)!r}, expected 0 or 1"
 
 
-def parse_output(text: str, cfg: ExpFormatConfig) -> ExpPrediction:
-  """Reads M_exp's output (decoded without the end-of-turn token); never raises (see the module docstring)."""
+def parse_output(text: str, cfg: ExpFormatConfig, state: str = "") -> ExpPrediction:
+  """Reads M_exp's output (decoded without the end-of-turn token); never raises (see the module docstring). `state`:
+  the current state, which the format's state changes are applied to (ignored without them)."""
   if not isinstance(text, str):
     return ExpPrediction.failure(f"output is a {type(text).__name__}, not text")
   s = text.strip()
@@ -383,6 +464,13 @@ def parse_output(text: str, cfg: ExpFormatConfig) -> ExpPrediction:
     return ExpPrediction.failure(what, reasoning)
   if not blocks["next_state"].strip():
     return ExpPrediction.failure("empty <next_state>", reasoning)
+  next_state = blocks["next_state"]
+  if cfg.state_changes:
+    if not state.strip():
+      return ExpPrediction.failure("no current state to apply the <next_state> changes to", reasoning)
+    next_state, problem = apply_state_changes(state, next_state)
+    if problem:
+      return ExpPrediction.failure(f"<next_state>: {problem}", reasoning)
   admissible: tuple[str, ...] = ()
   if cfg.actions:
     admissible = tuple(blocks["actions"].split("\n")) if blocks["actions"] else ()
@@ -400,4 +488,4 @@ def parse_output(text: str, cfg: ExpFormatConfig) -> ExpPrediction:
   problem = outcome_problem(reward, done, success, invalid) or _ended_with_actions(admissible, done)
   if problem:
     return ExpPrediction.failure(f"inconsistent outcome: {problem}", reasoning)
-  return ExpPrediction(blocks["next_state"], reward, done, success, reasoning, True, "", invalid, admissible)
+  return ExpPrediction(next_state, reward, done, success, reasoning, True, "", invalid, admissible)

@@ -361,7 +361,7 @@ class SyntheticEnv:
           texts[i] = self.tokenizer.decode(ids[:-1] if ended else ids)
           generated[i] += length
           stopped[i], attempts[i] = ended, attempt + 1
-          preds[i] = parse_output(texts[i], self.fmt)
+          preds[i] = parse_output(texts[i], self.fmt, self._rows[i].state)
           stats["parse_failures"] += not preds[i].ok
         pending = {i: p for i, p in pending.items() if not preds[i].ok}
         stats["parse_s"] += time.perf_counter() - t1

@@ -1,0 +1,55 @@
+"""M_exp on the twc testbed (configs/reproduce_twc.py): a small model from scratch, reasoning on, writing each next
+state as its changed lines (`ExpFormatConfig.state_changes`, docs/paper_map.md, "Experience model").
+
+Why the changed lines: a twc step changes one or two fields of a five-line state (the item leaves "You see" for
+"Inventory", a container's contents, the feedback), and nothing in twc's next states is hidden from the prompt. Written
+whole, the state made the model copy a long "You see" list token for token, and a 3-layer model with reasoning on
+scored 0.00 exact match after 500 steps, below the 0.16 of copying the current state (experiments/RESULTS.md, sixth
+stop).
+
+The data: the testbed's collection (`dreamjax reproduce --config configs/reproduce_twc.py` writes it first, in
+runs/reproduce/twc/data). The reproduce stage trains this same config on it (tests/test_testbeds.py checks).
+
+Run:  dreamjax train-exp --config configs/train_exp_twc.py
+Tiny: dreamjax train-exp --config configs/train_exp_twc.py:tiny   (the same format at test size; it measures nothing)
+"""
+
+import dataclasses
+
+from dreamjax.commands.train_exp import ExpSftConfig
+from dreamjax.experience.format import ExpFormatConfig
+from dreamjax.loop.model import ModelSource
+from dreamjax.models import tiny as tiny_model
+from dreamjax.parallel import MeshConfig
+from dreamjax.rl.optim import OptimConfig
+
+STEPS = 1600
+
+
+def config() -> ExpSftConfig:
+  return ExpSftConfig(
+      trajectories=("runs/reproduce/twc/data/trajectories.jsonl",),
+      format=ExpFormatConfig(reasoning=True, state_changes=True, k=1, max_history=2),
+      model=ModelSource(tiny=tiny_model("qwen2", vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=3,
+                                        num_heads=4, num_kv_heads=2, head_dim=32)),
+      optim=OptimConfig(lr=3e-3, warmup_steps=30, schedule="cosine", total_steps=STEPS, end_lr_factor=0.1),
+      batch_size=8,
+      steps=STEPS,
+      max_len=1280,
+      eval_every=400,
+      eval_examples=32,
+      held_out_fraction=0.1,
+      # A tiny model has no encoder of its own to spare: neighbours come from its initial hidden states, and from
+      # other tasks only, as on the held-out tasks it is scored on.
+      retrieval_encoder="backbone",
+      retrieval_exclude="task",
+      out_dir="runs/exp_sft/twc",
+      mesh=MeshConfig(data=1, fsdp=1, tensor=1),
+  )
+
+
+def tiny() -> ExpSftConfig:
+  return dataclasses.replace(config(), steps=4, eval_every=0, eval_examples=4, max_len=1024,
+                             optim=dataclasses.replace(config().optim, warmup_steps=1, total_steps=4),
+                             trajectories=("runs/reproduce/twc_tiny/data/trajectories.jsonl",),
+                             out_dir="runs/exp_sft/twc_tiny")
