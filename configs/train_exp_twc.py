@@ -15,36 +15,32 @@ Tiny: dreamjax train-exp --config configs/train_exp_twc.py:tiny   (the same form
 """
 
 import dataclasses
+from pathlib import Path
 
 from dreamjax.commands.train_exp import ExpSftConfig
+from dreamjax.config import load_config
 from dreamjax.experience.format import ExpFormatConfig
-from dreamjax.loop.model import ModelSource
 from dreamjax.models import tiny as tiny_model
-from dreamjax.parallel import MeshConfig
 from dreamjax.rl.optim import OptimConfig
 
+HERE = Path(__file__).parent
 STEPS = 1600
 
 
 def config() -> ExpSftConfig:
-  return ExpSftConfig(
+  # configs/train_exp_twx.py's tiny run (8 rows a step, neighbours from other tasks by the model's own hidden states,
+  # one device), with coin11's 3-layer model trained longer, and the twc format.
+  base = load_config(f"{HERE / 'train_exp_twx.py'}:tiny")
+  return dataclasses.replace(
+      base,
       trajectories=("runs/reproduce/twc/data/trajectories.jsonl",),
       format=ExpFormatConfig(reasoning=True, state_changes=True, k=1, max_history=2),
-      model=ModelSource(tiny=tiny_model("qwen2", vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=3,
-                                        num_heads=4, num_kv_heads=2, head_dim=32)),
+      model=dataclasses.replace(base.model, tiny=tiny_model(
+          "qwen2", vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=3, num_heads=4, num_kv_heads=2,
+          head_dim=32)),
       optim=OptimConfig(lr=3e-3, warmup_steps=30, schedule="cosine", total_steps=STEPS, end_lr_factor=0.1),
-      batch_size=8,
-      steps=STEPS,
-      max_len=1280,
-      eval_every=400,
-      eval_examples=32,
-      held_out_fraction=0.1,
-      # A tiny model has no encoder of its own to spare: neighbours come from its initial hidden states, and from
-      # other tasks only, as on the held-out tasks it is scored on.
-      retrieval_encoder="backbone",
-      retrieval_exclude="task",
+      steps=STEPS, max_len=1280, eval_every=400,
       out_dir="runs/exp_sft/twc",
-      mesh=MeshConfig(data=1, fsdp=1, tensor=1),
   )
 
 
