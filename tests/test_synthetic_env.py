@@ -323,8 +323,8 @@ def test_state_changes_are_applied_to_each_row_s_own_state(cfg, tok, retriever, 
   current state: the policy reads whole states, as with the whole-state format. Changes that do not apply are a
   malformed answer (resampled, then an env failure)."""
   fmt = dataclasses.replace(FMT, state_changes=True)
-  step = [[(t, following) for t, (_, following) in zip(transitions([r]), action_lists([r]))] for r in records[:2]]
-  answers = [{e: transition_target(fmt, *step[e][j][:1], _reason(step[e][j][0]), step[e][j][1]) for e in (0, 1)}
+  steps = [[(t, following) for t, (_, following) in zip(transitions([r]), action_lists([r]))] for r in records[:2]]
+  answers = [{e: transition_target(fmt, t, _reason(t), following) for e, (t, following) in enumerate(s[j] for s in steps)}
              for j in (0, 1)]
   first = records[0].steps[0]
   assert f"<next_state>\nFeedback: {state_fields(first.next_state)['Feedback']}\n</next_state>" in answers[0][0]
@@ -340,7 +340,7 @@ def test_state_changes_are_applied_to_each_row_s_own_state(cfg, tok, retriever, 
     for e in range(2 - j):  # row 1's second answer never applies
       s = records[e].steps[j]
       assert (results[e].observation.state, results[e].reward, results[e].done) == (s.next_state, s.reward, s.done)
-      assert results[e].observation.admissible == step[e][j][1] and not env_failed(results[e])
+      assert results[e].observation.admissible == steps[e][j][1] and not env_failed(results[e])
   assert env_failed(results[1]) and "removes a field the current state does not hold once" in results[1].info[
       "exp_error"]
   assert (env.stats["parse_failures"], env.stats["exp_failures"]) == (3, 1)
