@@ -49,8 +49,9 @@ def config() -> ReproduceConfig:
                train=TaskSpec(games=("twc",), split="train", count=HELD_OUT_START, game_params=TWC),
                held_out=TaskSpec(games=("twc",), split="train", start=HELD_OUT_START, count=200, game_params=TWC))
   # configs/grpo_real_twc.py's settings: 16 tasks x 8 episodes (about 900 turn rows), one pass, the update in four
-  # parts (768-token rows), lr 3e-4.
-  real = dataclasses.replace(cfg.real, iterations=30, eval_every=5, eval_sampled=False, pad_to=768, epochs=1,
+  # micro-batches of similar row length (rows cut to multiples of 128), lr 3e-4.
+  real = dataclasses.replace(cfg.real, iterations=30, eval_every=5, eval_sampled=False, pad_to=128,
+                             length_buckets=True, epochs=1,
                              tasks_per_iteration=16, micro_batches=4, episode_weights=True,
                              optim=OptimConfig(lr=3e-4, clip_norm=1.0),
                              eval_tasks=dataclasses.replace(cfg.real.eval_tasks, count=50))

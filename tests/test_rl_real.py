@@ -212,6 +212,20 @@ def test_only_action_tokens_carry_weight_and_logps_do_not_drift(learner, rollout
   assert _params_differ(s0.params, s1.params) == 0.0
 
 
+def test_reference_log_probs_are_scored_for_the_updated_rows_only(learner, rollout):
+  """`build_batch(traj, rows)`, as the iteration calls it with the rows it will update: those rows get the reference
+  log-probs a whole scoring gives them, the rows of dropped groups none (they were not scored)."""
+  traj = rollout
+  m, t = traj.tokens.shape
+  rows = np.flatnonzero(traj.group[traj.episode] == 1)
+  whole = np.asarray(learner.build_batch(traj)[0].ref_logp)[:m, :t]
+  part = np.asarray(learner.build_batch(traj, rows)[0].ref_logp)[:m, :t]
+  np.testing.assert_allclose(part[rows], whole[rows], rtol=1e-5, atol=1e-6)
+  dropped = np.setdiff1d(np.arange(m), rows)
+  assert whole[dropped].any() and not part[dropped].any() and part[rows].any()
+  assert not learner.build_batch(traj, rows[:0])[0].ref_logp.any()
+
+
 def test_zero_variance_groups_have_zero_advantage(learner, rollout):
   cfg = learner.cfg
   traj = rollout

@@ -170,6 +170,29 @@ def short_mask(valid: np.ndarray, seed: int) -> np.ndarray:
   return (mask & valid).astype(np.float32)
 
 
+def test_the_scorer_batches_rows_by_length_and_scores_each_alone(params):
+  """LogpScorer sorts rows by length and cuts each batch to its longest row (rounded up to pad_to): rows of mixed
+  lengths get the log-probs and values each would get scored alone, in the caller's order, and 0 past their ends."""
+  cfg = CFG_V
+  p = init_params(cfg, jax.random.key(1))
+  rng = np.random.RandomState(3)
+  lengths = np.array([40, 5, 20, 3, 25, 44, 30])  # sorted: 3 5 | 20 25 | 30 40 | 44: batches of 16, 32, 48, 48 tokens
+  m, t = len(lengths), 48
+  tokens = rng.randint(3, cfg.vocab_size, (m, t)).astype(np.int32)
+  valid = np.arange(t)[None] < lengths[:, None]
+  mask = valid & (np.arange(t)[None] >= 2)
+  scorer = LogpScorer(cfg, 2, with_values=True, pad_to=16)
+  logp, values = scorer(p, tokens, None, valid, mask=mask)
+  assert scorer._fn._cache_size() == 3  # in the caller's order the pairs would need widths 48 and 32 only
+  for i in range(m):
+    alone_logp, alone_values = LogpScorer(cfg, 1, with_values=True, pad_to=t)(p, tokens[i:i + 1], None, valid[i:i + 1],
+                                                                              mask=mask[i:i + 1])
+    np.testing.assert_allclose(logp[i], alone_logp[0], rtol=1e-5, atol=1e-6, err_msg=str(i))
+    np.testing.assert_allclose(values[i, :lengths[i]], alone_values[0, :lengths[i]], rtol=1e-5, atol=1e-6)
+    assert np.count_nonzero(logp[i]) == mask[i].sum()
+  assert not values[~valid].any()
+
+
 def test_scoring_only_the_loss_tokens_equals_scoring_all(params):
   """Gathering the masked tokens' predicting states into score_len slots (and projecting only them, also in chunks)
   gives the full projection's log-probs, entropies and gradients there, and 0 elsewhere."""
@@ -355,6 +378,49 @@ def test_grpo_steps_on_the_mesh_equal_one_device(params):
   assert step.compilations() == 1 and mesh_step.compilations() == 1
   with pytest.raises(ValueError, match="not a multiple of 8"):
     mesh_step(sharded, jax.tree.map(lambda x: x[:4], batch), jax.random.key(0))
+
+
+def test_length_buckets_give_the_scanned_update(params):
+  """`length_buckets`: a step's rows sorted by length into micro-batches, each cut to its own longest row, give the
+  scanned step's gradient and metrics, with one compilation per micro-batch length; on the mesh too (AdamW, two
+  steps), where the state keeps its shardings."""
+  lengths = np.array([3, 16, 5, 14, 4, 16, 6, 12])  # sorted in pairs: 3 4 | 5 6 | 12 14 | 16 16
+  rng = np.random.RandomState(7)
+  tokens = rng.randint(1, CFG.vocab_size, (B, T)).astype(np.int32)
+  valid = np.arange(T)[None] < lengths[:, None]
+  mask = (valid & (np.arange(T)[None] >= 1)).astype(np.float32)
+  old = np.asarray(_logps(CFG, params, tokens, row_positions(valid), valid).logp)
+  f = lambda scale=1.0: (rng.randn(B, T) * scale * mask).astype(np.float32)  # noqa: E731
+  batch = TokenBatch(tokens=tokens, positions=row_positions(valid), valid=valid, loss_mask=mask,
+                     old_logp=(old + f(0.2)) * mask, ref_logp=(old + f(0.1)) * mask, advantages=f(), returns=f(),
+                     old_values=f(0.1), pair=np.zeros(B, np.int32), chosen=np.zeros(B, bool))
+  objective = make_objective("grpo", entropy_coef=0.01)
+  sgd_ = _OPTIMIZERS["sgd"]
+  plain = make_train_step(CFG, objective, sgd_, micro_batches=4)
+  bucketed = make_train_step(CFG, objective, sgd_, micro_batches=4, pad_to=4, length_buckets=True)
+  (gp, mp), (gb, mb) = [(grads_of(s), m) for s, m in (
+      step(fresh_state(CFG, params, "sgd"), batch, jax.random.key(0)) for step in (plain, bucketed))]
+  assert max_rel_diff(gb, gp) < 2e-5
+  for key in mp:
+    np.testing.assert_allclose(mb[key], mp[key], rtol=1e-5, atol=1e-7, err_msg=key)
+  # Lengths 4, 8, 16 and 16; in the caller's order the pairs would all need 12 or 16.
+  assert bucketed.compilations() == 3 and float(mb["num_loss_tokens"]) == mask.sum()
+
+  mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+  single, sharded = fresh_state(CFG, params, "adam"), fresh_state(CFG, params, "adam", mesh)
+  shardings = jax.tree.map(lambda x: x.sharding, sharded)
+  step = make_train_step(CFG, objective, _OPTIMIZERS["adam"], micro_batches=2)
+  mesh_step = make_train_step(CFG, objective, _OPTIMIZERS["adam"], micro_batches=2, mesh=mesh, pad_to=4,
+                              length_buckets=True)
+  for i in range(2):
+    single, m = step(single, batch, jax.random.key(i))
+    sharded, ms = mesh_step(sharded, batch, jax.random.key(i))
+    for key in m:
+      np.testing.assert_allclose(ms[key], m[key], rtol=1e-5, atol=1e-7, err_msg=key)
+  assert max_rel_diff(*jax.device_get((sharded.params, single.params))) < 1e-5
+  assert max_rel_diff(single.params, params) > 1e-3 and jax.tree.map(lambda x: x.sharding, sharded) == shardings
+  with pytest.raises(ValueError, match="length_buckets reorders a step's rows"):
+    make_train_step(CFG, make_objective("dpo"), sgd_, micro_batches=2, length_buckets=True)
 
 
 def test_ppo_step_trains_the_value_head():

@@ -4,12 +4,14 @@ draw): its config, the seeded task draw, and `PolicyLearner`, which runs one ite
 One iteration (`PolicyLearner.iteration`):
 1. roll out G episodes per task through the `RolloutEngine` (token-in/token-out turn rows, one fresh bounded prompt
    per turn, so memory does not grow with episode length);
-2. score the rows under the frozen reference policy (the KL term) and, for PPO, the critic's values;
+2. score the rows the update will read under the frozen reference policy (the KL term; GRPO's zero-variance groups,
+   which it drops, are not scored) and, for PPO, the critic's values;
 3. build the `TokenBatch` (`rl_batch`: GRPO group-normalised returns, or GAE over turns for PPO; the invalid-action
    penalty subtracted from invalid turns); only sampled action tokens carry loss weight, never observation tokens;
 4. update: `epochs` passes over the rows, each cut into optimizer steps of a fixed `rows_per_step` rows (balanced, the
    last padded with empty rows) and a length rounded up to `pad_to`, so the jitted step compiles once per length
-   bucket; `micro_batches` splits a step for memory on long contexts. PPO's separate critic then takes its own
+   bucket; `micro_batches` splits a step for memory on long contexts (with `length_buckets`, into micro-batches of
+   similar row length, each cut to its own length). PPO's separate critic then takes its own
    passes (its `epochs`, `rows_per_step`, or the policy's) with its own step and optimizer. With `shared_prefix` the
    policy's step computes a prefix its rows share once per cluster of rows (`dreamjax.rl.update`, "Shared
    prefixes"): the same steps on the same rows, to float32 rounding; so does reference scoring (`LogpScorer`), while
@@ -132,6 +134,10 @@ class RLConfig(RunConfig):
   # "Shared prefixes").
   # Unrolled layers only (ModelSource.scan_layers off). rollout.group_prefill is the sampler's counterpart.
   shared_prefix: bool = False
+  # Each micro-batch of a step holds rows of similar length and is cut to its own longest row (rounded up to pad_to):
+  # the same update to float32 rounding, with less padding where row lengths vary (multi-turn rows), and one
+  # compilation per length (dreamjax.rl.update, TrainStep._bucketed). Needs micro_batches > 1 to gain anything.
+  length_buckets: bool = False
   epochs: int = 1  # passes over each iteration's rows (PPO epochs)
   pad_to: int = 128  # row lengths are rounded up to a multiple of this (one compilation per multiple)
   score_batch: int = 32  # rows per reference / value scoring call
@@ -315,7 +321,7 @@ class PolicyLearner:
                                if cfg.separate_critic else cfg.objective)
     optimizer = make_optimizer(cfg.optim)
     self.step = make_train_step(model_cfg, self.objective, optimizer, micro_batches=cfg.micro_batches, mesh=mesh,
-                                shared_prefix=cfg.shared_prefix, pad_to=cfg.pad_to)
+                                shared_prefix=cfg.shared_prefix, pad_to=cfg.pad_to, length_buckets=cfg.length_buckets)
     if cfg.rows_per_step % self.step.row_multiple:
       raise ValueError(f"RLConfig.rows_per_step ({cfg.rows_per_step}) must be a multiple of micro_batches x "
                        f"data-parallel size ({self.step.row_multiple})")
@@ -372,15 +378,21 @@ class PolicyLearner:
     shardings = None if self.mesh is None else self.engine.sampler.param_shardings()
     return sampling_copy(self.state.params, self.model_cfg, shardings)
 
-  def build_batch(self, traj: Trajectories) -> tuple[TokenBatch, dict[str, float]]:
-    """The update's batch for a rollout: reference log-probs and critic values scored here, advantages by config."""
+  def build_batch(self, traj: Trajectories, rows: np.ndarray | None = None) -> tuple[TokenBatch, dict[str, float]]:
+    """The update's batch for a rollout: reference log-probs and critic values scored here, advantages by config.
+    `rows` (default: all) are the rows the update will read: only they get reference log-probs (the others keep 0),
+    which spares the scoring of GRPO's zero-variance groups, often half of an iteration's rows."""
     cfg, times = self.cfg, {}
     valid = np.arange(traj.tokens.shape[1])[None] < traj.lengths[:, None]
     ref_logp = values = None
     if self.ref_scorer is not None:
       t0 = time.perf_counter()
-      ref_logp, _ = self.ref_scorer(self.ref_params, traj.tokens, None, valid, mask=traj.loss_mask,
-                                    allowed=traj.allowed)
+      rows = np.arange(traj.num_rows) if rows is None else np.asarray(rows)
+      ref_logp = np.zeros(traj.tokens.shape, np.float32)
+      if len(rows):
+        ref_logp[rows], _ = self.ref_scorer(self.ref_params, traj.tokens[rows], None, valid[rows],
+                                            mask=traj.loss_mask[rows],
+                                            allowed=None if traj.allowed is None else traj.allowed[rows])
       times["ref_s"] = time.perf_counter() - t0
     if self.value_scorer is not None:
       t0 = time.perf_counter()
@@ -453,12 +465,12 @@ class PolicyLearner:
     # Each process stepped its own envs; the update below assumes they all hold this same rollout.
     check_same(f"the rollout of iteration {iteration}", traj.tokens, traj.reward, traj.done, traj.invalid)
     unparsed = unparsed_rows(traj, self.tokenizer)
-    batch, times = self.build_batch(traj)
     returns = episode_returns(traj, cfg.invalid_penalty)
     flat = silent_groups(traj, cfg.invalid_penalty, cfg.invalid_credit)
     keep = ~traj.left_out[traj.episode]  # rl_batch gives them no loss anyway; this spares their compute
     if cfg.drop_zero_variance_groups and cfg.algorithm == "grpo":
       keep &= ~flat[traj.group[traj.episode]]
+    batch, times = self.build_batch(traj, np.flatnonzero(keep))
     t0 = time.perf_counter()
     metrics = self.update(batch, np.flatnonzero(keep), iteration)
     times["update_s"] = time.perf_counter() - t0

@@ -241,8 +241,10 @@ def row_positions(valid: np.ndarray) -> np.ndarray:
 class LogpScorer:
   """Scores token rows under frozen parameters (reference policy, old policy, critic values) in fixed-size batches.
 
-  Rows are padded to `batch_size` and the length to a multiple of `pad_to`, so a stream of batches of varying shape
-  compiles once per length bucket. Host in, host out: returns NumPy arrays of the caller's shape.
+  Rows are scored shortest first, so that rows of similar length share a batch: each batch is padded to `batch_size`
+  rows and cut to its longest row rounded up to a multiple of `pad_to` (one compilation per multiple). On multi-turn
+  rows, whose lengths vary by turn, that skips most of the padding a whole call's width would cost. Host in, host out:
+  returns NumPy arrays of the caller's shape.
   `values_only` scores a critic's values (`token_values`; its log-probs come back as zeros).
   `shared_prefix` (log-probs under a `mask` only, no values) runs the prefixes each batch's rows share once
   (`dreamjax.rl.batch.shared_prefix_layout`; see the module docstring) and puts the suffixes' log-probs back in the
@@ -294,24 +296,28 @@ class LogpScorer:
     # One score_len for the whole call, so its batches share one compilation.
     score_len = None if mask is None else score_len_for(mask)
     m, t = tokens.shape
-    width = max(self.pad_to, -(-t // self.pad_to) * self.pad_to)
+    # A row's tokens past its last valid one are padding (they score 0), so a batch ends at its longest row.
+    ends = np.where(valid.any(-1), t - np.argmax(valid[:, ::-1], -1), 0)
+    order = np.argsort(ends, kind="stable")
     logp = np.zeros((m, t), np.float32)
     values = np.zeros((m, t), np.float32) if self.with_values else None
     for start in range(0, m, self.batch_size):
-      rows = slice(start, min(start + self.batch_size, m))
-      n = rows.stop - rows.start
+      rows = order[start:start + self.batch_size]
+      n, longest = len(rows), int(ends[rows].max())
+      width = max(self.pad_to, -(-longest // self.pad_to) * self.pad_to)
+      w = min(t, width)
       arrays = []
       for x in (tokens, positions, valid, valid if mask is None else np.asarray(mask) != 0, allowed):
         buf = np.full((self.batch_size, width, *x.shape[2:]), -1 if x.ndim == 3 else 0, x.dtype)
-        buf[:n, :t] = x[rows]
+        buf[:n, :w] = x[rows, :w]
         arrays.append(buf)
       if self.shared_prefix and score_len is not None:
-        logp[rows] = self._shared(params, arrays, score_len)[:n, :t]
+        logp[rows, :w] = self._shared(params, arrays, score_len)[:n, :w]
         continue
       out = to_host(self._run(params, arrays, score_len))  # rows sharded over every process's devices: gathered whole
-      logp[rows] = out.logp[:n, :t]
+      logp[rows, :w] = out.logp[:n, :w]
       if values is not None:
-        values[rows] = out.values[:n, :t]
+        values[rows, :w] = out.values[:n, :w]
     return logp, values
 
   def _shared(self, params, arrays: list[np.ndarray], score_len: int) -> np.ndarray:

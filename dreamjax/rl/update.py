@@ -38,10 +38,18 @@ shared prefix's layers once per cluster (`token_logps(prefix=...)`): the same lo
 on the same rows, to float32 rounding (tests/test_shared_prefix.py). Each new (prefix rows, prefix length, suffix
 length) shape compiles once; the prefix rows per micro-batch are rounded up to a power of two to keep them few.
 Policy-gradient and SFT objectives only (DPO pairs and the critic's value loss take rows whole).
+
+Length buckets. The scanned step runs every micro-batch at the batch's length, its longest row's. Multi-turn rows vary
+in length by turn (twc: 260-700 tokens, 450 on average), so most of that is padding. `TrainStep(length_buckets=True)`
+sorts a step's rows by length into its micro-batches, cuts each to its own longest row (rounded up to `pad_to`) and
+runs them as separate jitted calls on the same accumulator (`_add_grads`, the scan's body), then applies the sum
+(`_apply_grads`, the scan's tail): the same update to float32 rounding (tests/test_rl_update.py), one compilation
+per micro-batch length. Objectives whose rows are independent only (not DPO's pairs), and not with shared prefixes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -75,6 +83,23 @@ def _combine(metrics: dict[str, jax.Array], loss_weights: jax.Array, metric_weig
   return {k: one(k, v) for k, v in metrics.items()}
 
 
+def _constrain(grads, grad_shardings):
+  return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
+
+
+def _zero_grads(params, grad_shardings=None):
+  return _constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_shardings)
+
+
+def _add_grads(params, acc, mb: TokenBatch, rng: jax.Array, weight: jax.Array, score_len: int, *,
+               model_cfg: ModelConfig, objective: Objective, grad_shardings=None):
+  """One micro-batch: `acc` + `weight` x its loss's gradient (float32), and (loss, metrics)."""
+  grad_fn = jax.value_and_grad(functools.partial(objective.loss, model_cfg, score_len=score_len), has_aux=True)
+  (loss, metrics), grads = grad_fn(params, mb, rng)
+  acc = jax.tree.map(lambda a, g: a + weight * g.astype(jnp.float32), acc, grads)
+  return _constrain(acc, grad_shardings), (loss, metrics)
+
+
 def _train_step(state: TrainState, batch: TokenBatch, rng: jax.Array, score_len: int, *, model_cfg: ModelConfig,
                 objective: Objective, optimizer: optax.GradientTransformation, micro_batches: int,
                 grad_shardings=None) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -82,28 +107,41 @@ def _train_step(state: TrainState, batch: TokenBatch, rng: jax.Array, score_len:
   counts = jax.vmap(objective.normalizer)(micro)  # [k]
   weights = safe_div(counts, jnp.sum(counts))
   metric_counts = jax.vmap(objective.metric_normalizer)(micro)
-  grad_fn = jax.value_and_grad(functools.partial(objective.loss, model_cfg, score_len=score_len), has_aux=True)
-
-  def constrain_grads(g):
-    return g if grad_shardings is None else jax.lax.with_sharding_constraint(g, grad_shardings)
+  add = functools.partial(_add_grads, score_len=score_len, model_cfg=model_cfg, objective=objective,
+                          grad_shardings=grad_shardings)
 
   def body(acc, xs):
     mb, weight, i = xs
-    (loss, metrics), grads = grad_fn(state.params, mb, jax.random.fold_in(rng, i))
-    acc = jax.tree.map(lambda a, g: a + weight * g.astype(jnp.float32), acc, grads)
-    return constrain_grads(acc), (loss, metrics)
+    return add(state.params, acc, mb, jax.random.fold_in(rng, i), weight)
 
-  zeros = constrain_grads(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params))
+  zeros = _zero_grads(state.params, grad_shardings)
   if micro_batches == 1:
     grads, (losses, metrics) = body(zeros, (jax.tree.map(lambda x: x[0], micro), weights[0], 0))
     losses, metrics = losses[None], jax.tree.map(lambda x: x[None], metrics)
   else:
     grads, (losses, metrics) = jax.lax.scan(body, zeros, (micro, weights, jnp.arange(micro_batches)))
+  return _apply_grads(state, grads, losses, metrics, weights, safe_div(metric_counts, jnp.sum(metric_counts)),
+                      jnp.sum(batch.loss_mask), optimizer=optimizer)
+
+
+def _apply_stacked(state: TrainState, grads, outs: tuple, weights: jax.Array, metric_weights: jax.Array,
+                   num_loss_tokens: jax.Array, *, optimizer: optax.GradientTransformation
+                   ) -> tuple[TrainState, dict[str, jax.Array]]:
+  """`_apply_grads` after per-call micro-batches (TrainStep._bucketed): their (loss, metrics) stacked here."""
+  losses, metrics = jax.tree.map(lambda *x: jnp.stack(x), *outs)
+  return _apply_grads(state, grads, losses, metrics, weights, metric_weights, num_loss_tokens, optimizer=optimizer)
+
+
+def _apply_grads(state: TrainState, grads, losses: jax.Array, metrics: dict[str, jax.Array], weights: jax.Array,
+                 metric_weights: jax.Array, num_loss_tokens: jax.Array, *, optimizer: optax.GradientTransformation
+                 ) -> tuple[TrainState, dict[str, jax.Array]]:
+  """The step's end: the accumulated gradient applied unless it or the loss is not finite; whole-batch metrics from
+  the [k]-stacked micro-batch ones."""
   grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
-  metrics = _combine(metrics, weights, safe_div(metric_counts, jnp.sum(metric_counts)))
+  metrics = _combine(metrics, weights, metric_weights)
   metrics["loss"] = jnp.sum(losses * weights)
   metrics["grad_norm"] = optax.tree.norm(grads)  # before the optimizer's clipping
-  metrics["num_loss_tokens"] = jnp.sum(batch.loss_mask)
+  metrics["num_loss_tokens"] = num_loss_tokens
   finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
 
   def apply(grads):
@@ -145,11 +183,12 @@ def data_parallel_size(mesh: jax.sharding.Mesh | None, rules: Rules = TRAIN_RULE
 class TrainStep:
   """The jitted step bound to a model, objective, optimizer and (optionally) mesh. Call as `step(state, batch, rng)`;
   the state argument is donated (do not reuse it after the call). `shared_prefix`: rebuild each batch (rows whole)
-  with shared prefixes, their lengths rounded up to `pad_to` (see the module docstring)."""
+  with shared prefixes, their lengths rounded up to `pad_to` (see the module docstring). `length_buckets`: see
+  `_bucketed`."""
 
   def __init__(self, model_cfg: ModelConfig, objective: Objective, optimizer: optax.GradientTransformation, *,
                micro_batches: int = 1, mesh: jax.sharding.Mesh | None = None, rules: Rules = TRAIN_RULES,
-               abstract: Any = None, shared_prefix: bool = False, pad_to: int = 64):
+               abstract: Any = None, shared_prefix: bool = False, pad_to: int = 64, length_buckets: bool = False):
     if micro_batches < 1:
       raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     objective.check(model_cfg)
@@ -157,24 +196,40 @@ class TrainStep:
       raise ValueError(f"TrainStep: shared_prefix needs a per-row objective (policy gradient or SFT, not "
                        f"{objective.name!r}) and unrolled layers (ModelConfig.scan_layers={model_cfg.scan_layers}): "
                        "its prefix forward writes a KV cache")
-    self.shared_prefix, self.pad_to = shared_prefix, pad_to
+    if length_buckets and (isinstance(objective.config, DpoLossConfig) or shared_prefix):
+      raise ValueError(f"TrainStep: length_buckets reorders a step's rows, so it needs a per-row objective (not "
+                       f"{objective.name!r}, whose pairs must share a micro-batch) and no shared_prefix (whose "
+                       "clusters are laid out per micro-batch)")
+    self.shared_prefix, self.pad_to, self.length_buckets = shared_prefix, pad_to, length_buckets
     self.model_cfg, self.objective, self.micro_batches, self.mesh, self.rules = (
         model_cfg, objective, micro_batches, mesh, rules)
     self.row_multiple = micro_batches * data_parallel_size(mesh, rules)
     fn = functools.partial(_train_step, model_cfg=model_cfg, objective=objective, optimizer=optimizer,
                            micro_batches=micro_batches)
+    add = functools.partial(_add_grads, model_cfg=model_cfg, objective=objective)
+    apply = functools.partial(_apply_stacked, optimizer=optimizer)
     if mesh is None:
       self._fn = jax.jit(fn, donate_argnums=0, static_argnums=3)
+      self._zeros, self._add = jax.jit(_zero_grads), jax.jit(add, donate_argnums=1, static_argnums=5)
+      self._apply = jax.jit(apply, donate_argnums=(0, 1))
       return
     state_sh = train_state_shardings(model_cfg, optimizer, mesh, rules, abstract)
     replicated = NamedSharding(mesh, PartitionSpec())
-    fn = functools.partial(fn, grad_shardings=state_sh.params)
+    grad_sh = state_sh.params
+    fn = functools.partial(fn, grad_shardings=grad_sh)
     self._batch_shardings = batch_shardings(mesh, rules, shared_prefix)
     self._fn = jax.jit(fn, in_shardings=(state_sh, self._batch_shardings, replicated),
                        out_shardings=(state_sh, replicated), donate_argnums=0, static_argnums=3)
+    self._zeros = jax.jit(functools.partial(_zero_grads, grad_shardings=grad_sh), in_shardings=(grad_sh,),
+                          out_shardings=grad_sh)
+    self._add = jax.jit(functools.partial(add, grad_shardings=grad_sh),
+                        in_shardings=(grad_sh, grad_sh, self._batch_shardings, replicated, replicated),
+                        out_shardings=(grad_sh, replicated), donate_argnums=1, static_argnums=5)
+    self._apply = jax.jit(apply, in_shardings=(state_sh, grad_sh, replicated, replicated, replicated, replicated),
+                          out_shardings=(state_sh, replicated), donate_argnums=(0, 1))
 
   def compilations(self) -> int:
-    return self._fn._cache_size()
+    return (self._add if self.length_buckets else self._fn)._cache_size()
 
   def __call__(self, state: TrainState, batch: TokenBatch, rng: jax.Array, score_len: int | None = None
                ) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -195,6 +250,8 @@ class TrainStep:
     if self.shared_prefix:  # a row keeps all its loss tokens in its suffix: score_len holds
       batch = shared_prefix_batch(batch, micro_batches=self.micro_batches, row_multiple=self.row_multiple,
                                   pad_to=self.pad_to)
+    if self.length_buckets:
+      return self._bucketed(state, batch, rng, score_len)
     if self.mesh is None:
       return self._fn(state, batch, rng, score_len)
     # Placed here rather than by jit: with several processes jit refuses host (NumPy) rows for sharded inputs; every
@@ -202,6 +259,39 @@ class TrainStep:
     batch = to_devices(batch, self._batch_shardings)
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
       return self._fn(state, batch, rng, score_len)
+
+  def _bucketed(self, state: TrainState, batch: TokenBatch, rng: jax.Array, score_len: int
+                ) -> tuple[TrainState, dict[str, jax.Array]]:
+    """The step with `length_buckets`: micro-batch i holds the i-th k-th of the rows in length order, cut to its own
+    longest row rounded up to `pad_to`, and each runs as its own jitted call (one compilation per length); then one
+    call applies the sum. The loss weighs micro-batches by their counts as the scanned step does, and a per-row
+    loss does not depend on which micro-batch holds a row, so the update is the same to float32 rounding. On
+    multi-turn rows, whose lengths vary by turn, this skips most of the padding to the step's longest row."""
+    batch = jax.tree.map(np.asarray, batch)
+    k, (b, t) = self.micro_batches, batch.tokens.shape
+    ends = np.where(batch.valid.any(-1), t - np.argmax(batch.valid[:, ::-1], -1), 0)
+    order = np.argsort(ends, kind="stable")
+    micro = []
+    for i in range(k):
+      rows = order[i * (b // k):(i + 1) * (b // k)]
+      length = min(t, max(self.pad_to, -(-int(ends[rows].max()) // self.pad_to) * self.pad_to))
+      micro.append(jax.tree.map(lambda x, rows=rows, length=length: x[rows, :length] if x.ndim >= 2 else x[rows],
+                                batch))
+    counts = np.array([self.objective.normalizer(mb) for mb in micro], np.float32)
+    metric_counts = np.array([self.objective.metric_normalizer(mb) for mb in micro], np.float32)
+    weights, metric_weights = (c / c.sum() if c.sum() > 0 else np.zeros_like(c) for c in (counts, metric_counts))
+    num_loss_tokens = np.float32(batch.loss_mask.sum())
+    with contextlib.ExitStack() as scope:
+      if self.mesh is not None:
+        scope.enter_context(jax.set_mesh(self.mesh))
+        scope.enter_context(nn.logical_axis_rules(self.rules))
+        micro = [to_devices(mb, self._batch_shardings) for mb in micro]
+      acc, outs = self._zeros(state.params), []
+      for i, mb in enumerate(micro):
+        acc, out = self._add(state.params, acc, mb, jax.random.fold_in(rng, i), weights[i],
+                             min(score_len, mb.tokens.shape[1]))
+        outs.append(out)
+      return self._apply(state, acc, tuple(outs), weights, metric_weights, num_loss_tokens)
 
 
 class NonFiniteUpdateError(RuntimeError):
@@ -243,8 +333,9 @@ class SkipCounter:
 
 def make_train_step(model_cfg: ModelConfig, objective: Objective, optimizer: optax.GradientTransformation, *,
                     micro_batches: int = 1, mesh: jax.sharding.Mesh | None = None, rules: Rules = TRAIN_RULES,
-                    abstract: Any = None, shared_prefix: bool = False, pad_to: int = 64) -> TrainStep:
+                    abstract: Any = None, shared_prefix: bool = False, pad_to: int = 64,
+                    length_buckets: bool = False) -> TrainStep:
   """See `TrainStep`; `abstract` is the state's parameter tree when it is not the model's whole tree (PPO's separate
   critic, `dreamjax.rl.critic`), as in `train_state_shardings`."""
   return TrainStep(model_cfg, objective, optimizer, micro_batches=micro_batches, mesh=mesh, rules=rules,
-                   abstract=abstract, shared_prefix=shared_prefix, pad_to=pad_to)
+                   abstract=abstract, shared_prefix=shared_prefix, pad_to=pad_to, length_buckets=length_buckets)
