@@ -100,7 +100,7 @@ def test_twx_reasons_are_truthful_and_step_specific(twx):
     assert a.episode_id == record.episode_id and a.annotator == "rules:textworld_express"
     assert len(a.reasons) == record.num_steps
     n = record.num_steps
-    keys = {}
+    keys, effects = {}, {}
     for j, (s, reason) in enumerate(zip(record.steps, a.reasons)):
       # A reason is a function of what the step shows (and of whether it ends the record).
       key = (s.state, s.action, s.next_state, s.invalid, j == n - 1)
@@ -127,8 +127,12 @@ def test_twx_reasons_are_truthful_and_step_specific(twx):
       if j < n - 1:
         assert reason.endswith("The task is not complete yet: reward 0, and the episode goes on.")
       assert ("reward 1" in reason) == s.success
-    # Specific to the step: repeats come only from steps with the same action and the same visible effect.
-    assert len(set(a.reasons)) >= 0.7 * n, (record.episode_id, len(set(a.reasons)), n)
+      # Specific to the step: a reason repeats only for the same action with the same visible effect. (Exact, since
+      # twc and coin expert episodes follow TWX's unseeded gold paths and so differ from run to run.)
+      moved = before["Location"] != after["Location"]
+      effect = (s.action, s.invalid, s.state == s.next_state, after.get("Feedback"), moved and after["Location"],
+                frozenset(set(_inventory(s.state)) ^ set(_inventory(s.next_state))), s.success, j == n - 1)
+      assert effects.setdefault(reason, effect) == effect, (record.episode_id, j, reason)
   by_id = {r.episode_id: a for r, a in _twx_annotations(twx)}
   random_fail = next(r for r in records if r.policy == "random" and not r.success and r.num_steps == 50)
   assert "This is step 50, the step limit" in by_id[random_fail.episode_id].reasons[-1]
