@@ -35,6 +35,7 @@ NEXT = "Location: kitchen\nYou see: fridge (open: milk), counter (knife, apple �
 ON, OFF = ExpFormatConfig(), ExpFormatConfig(reasoning=False)
 BARE = ExpFormatConfig(reasoning=False, actions=False)  # neither think nor actions block
 CHANGES = ExpFormatConfig(state_changes=True)  # the next state as its changed lines
+EDITS = ExpFormatConfig(state_changes=True, list_edits=True)  # and changed comma lists as item edits
 ACTS = ("open fridge", "take apple 🍎", "go  north ")  # kept verbatim, in the env's order
 
 
@@ -148,7 +149,39 @@ def test_state_changes_refuse_states_they_cannot_rebuild(before, after, message)
     render_target(CHANGES, "why", NEXT, 0.0, False, False)
 
 
+# twc's own transitions (runs/reproduce/twc/data): take, take, put in.
+PANTRY = "Location: pantry\nYou see: folding chair (empty), shelf (empty), flour, yellow onion\nInventory: nothing"
+TOOK = "Location: pantry\nYou see: folding chair (empty), shelf (empty), yellow onion\nInventory: flour\nFeedback: Hm."
+TOOK2 = "Location: pantry\nYou see: folding chair (empty), shelf (empty)\nInventory: flour, yellow onion\nFeedback: Hm."
+PUT = "Location: pantry\nYou see: folding chair (empty), shelf (flour)\nInventory: yellow onion\nFeedback: Hm."
+
+
+def test_list_edits_write_only_the_items_that_change():
+  assert state_change_text(PANTRY, TOOK, list_edits=True) == "You see -= flour\nInventory: flour\nFeedback: Hm."
+  assert state_change_text(TOOK, TOOK2, list_edits=True) == "You see -= yellow onion\nInventory += yellow onion"
+  assert state_change_text(TOOK2, PUT, list_edits=True) == "You see ~= shelf (flour)\nInventory -= flour"
+  # Commas (and colons) inside parentheses stay in their item; edits no shorter than the line give the line.
+  assert state_change_text(STATE, NEXT, list_edits=True) == "You see ~= fridge (open: milk)\nFeedback: Ok."
+  assert state_change_text("A: x (1, 2), y", "A: x (1, 2, 3), y", list_edits=True) == "A ~= x (1, 2, 3)"
+  assert state_change_text("A: big table, chair, long bench, stool", "A: big table, long bench",
+                           list_edits=True) == "A -= chair\nA -= stool"
+  assert state_change_text("A: p, q, r, s", "A: q, r", list_edits=True) == "A: q, r"
+  for before, after in [(PANTRY, TOOK), (TOOK, TOOK2), (TOOK2, PUT), (PUT, PANTRY), (STATE, NEXT), (NEXT, STATE)]:
+    text = state_change_text(before, after, list_edits=True)
+    assert apply_state_changes(before, text) == (after, "")
+    target = render_target(EDITS, "why", after, 0.0, False, False, admissible=ACTS, state=before)
+    assert f"<next_state>\n{text}\n</next_state>" in target
+    assert parse_output(target, EDITS, before).next_state == after
+    assert parse_output(target, CHANGES, before).next_state == after  # the parser reads edits without the switch
+  assert "\"Field ~= item\"" in system_prompt(EDITS) and "~=" not in system_prompt(CHANGES)
+  with pytest.raises(ValueError, match="needs state_changes=True"):
+    ExpFormatConfig(list_edits=True)
+
+
 @pytest.mark.parametrize("changes, state, error", [
+    ("You see -= milk", STATE, "removes the item 'milk', which the field does not hold"),
+    ("You see ~= table (clean)", STATE, "replaces the item named 'table', which the field holds 0 times"),
+    ("Exits += north", STATE, "edits a field the current state does not hold once"),
     ("-Nope", STATE, "removes a field the current state does not hold once"),
     ("garbage", STATE, "is neither \"Field: value\" nor \"-Field\""),
     ("-Location\n-You see\n-Inventory", STATE, "the changes remove every line of the state"),
@@ -232,7 +265,7 @@ def test_parser_edge_cases():
 
 def test_parser_is_total_under_fuzzing():
   rng = random.Random(0)
-  cfgs = (ON, OFF, BARE, CHANGES)  # CHANGES reads every output against STATE
+  cfgs = (ON, OFF, BARE, CHANGES, EDITS)  # CHANGES and EDITS read every output against STATE
   nexts = {cfg: [("why", NEXT), ("", "Location: é")] if cfg.state_changes else [("why", NEXT), ("", "é")]
            for cfg in cfgs}
   valid = {cfg: [render_target(cfg, r, s, *o, admissible=() if o[1] else ACTS, state=STATE) for r, s in nexts[cfg]

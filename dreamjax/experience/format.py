@@ -50,6 +50,20 @@ downstream (SyntheticEnv, fidelity metrics) is unchanged. A target whose changes
 (duplicate fields, a line that is not "Field: value", fields reordered) is an error naming the transition: that env
 needs the whole-state format.
 
+List edits (switch `ExpFormatConfig.list_edits`, with state changes): a changed field whose value is a comma list
+("You see", "Inventory") still repeats the list's unchanged items, and a small model copies them as badly. With the
+switch on, such a field is written as item edits where they rebuild it exactly and are shorter than its line:
+
+  <next_state>
+  You see ~= shelf (flour)
+  Inventory -= flour
+  Feedback: You put the flour in the shelf.
+  </next_state>
+
+"Field -= item" removes the item, "Field += item" appends one, "Field ~= item" replaces the one item of the same name
+(the text before " (", so "shelf (empty)" becomes "shelf (flour)"). Commas inside parentheses do not split items.
+The parser reads edits with or without the switch; the switch only decides what the target writes.
+
 Without reasoning (the ablation switch `ExpFormatConfig.reasoning=False`) the think block is absent. The target is
 appended to the prompt as the assistant turn with `Kind.ACTION`, so the SFT loss mask covers exactly the target
 tokens and its end-of-turn token: both terms of Eq. 5 (reasoning, then next state and reward) under one mask.
@@ -81,6 +95,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
@@ -107,6 +123,9 @@ class ExpFormatConfig:
   # the next state written as its changed lines only ("Field: value" set, "-Field" removed), applied to the current
   # state by the parser (module docstring, "State changes"); for envs whose states are unique "Field: value" lines
   state_changes: bool = False
+  # with state_changes: a changed comma-list field written as item edits ("Field -= item", "Field += item",
+  # "Field ~= item") where they rebuild it and are shorter (module docstring, "List edits")
+  list_edits: bool = False
   max_history: int = 4  # most recent (state, action) pairs shown
   k: int = 3  # retrieved transitions shown (the first k given)
   max_state_chars: int = 2000  # each state shown in the prompt (current, history, retrieved) is clipped to this
@@ -117,6 +136,8 @@ class ExpFormatConfig:
     for name in ("max_history", "k"):
       if getattr(self, name) < 0:
         raise ValueError(f"ExpFormatConfig.{name} must be >= 0, got {getattr(self, name)}")
+    if self.list_edits and not self.state_changes:
+      raise ValueError("ExpFormatConfig.list_edits writes edits of the state changes: it needs state_changes=True")
     for name in ("max_state_chars", "max_action_chars", "max_tutorial_chars"):
       if getattr(self, name) < 16:
         raise ValueError(f"ExpFormatConfig.{name} must be >= 16, got {getattr(self, name)}")
@@ -160,8 +181,11 @@ def system_prompt(cfg: ExpFormatConfig) -> str:
   listed = ", the actions admissible in it" if cfg.actions else ""
   actions = ("<actions>\nthe actions admissible in the next state, one per line, in the environment's order (none "
              "when the episode ends)\n</actions>\n") if cfg.actions else ""
+  edits = (", or \"Field -= item\", \"Field += item\" or \"Field ~= item\" for one item of a comma list removed, "
+           "appended, or put in place of the item of the same name") if cfg.list_edits else ""
   state = ("the next state's lines that differ from the current state's, one per line: \"Field: value\" for a field "
-           "set or added, \"-Field\" for a field removed, or (no change)") if cfg.state_changes else "the whole next state"
+           f"set or added, \"-Field\" for a field removed{edits}, or (no change)") if cfg.state_changes \
+      else "the whole next state"
   return (
       "You simulate an interactive environment for an agent. You are given the agent's task, examples of similar "
       f"past transitions, the recent history of the episode, the current state{listed} and the agent's action. "
@@ -253,12 +277,58 @@ def _field(line: str) -> str | None:
   return key if sep and key and not key.startswith("-") else None
 
 
+_EDIT = re.compile(r"([^:\n]+?) ([-+~])= (.+)")  # "Field op= item"; a "Field: value" line has a colon before any op
+
+
+def list_items(value: str) -> list[str]:
+  """A comma-list value's items, split at ", " outside parentheses ("table (cup, fork), chair": two items)."""
+  items, depth, start = [], 0, 0
+  for i, ch in enumerate(value):
+    depth += (ch == "(") - (ch == ")")
+    if depth == 0 and value.startswith(", ", i):
+      items.append(value[start:i])
+      start = i + 2
+  return items + [value[start:]] if value else items
+
+
+def _item_name(item: str) -> str:
+  return item.split(" (", 1)[0]
+
+
+def _edit_items(items: list[str], op: str, item: str) -> str:
+  """Applies one item edit to `items` in place; "" or what is wrong."""
+  if op == "+":
+    items.append(item)
+  elif op == "-":
+    if item not in items:
+      return f"removes the item {clip(item, 40)!r}, which the field does not hold"
+    items.remove(item)
+  else:
+    same = [j for j, x in enumerate(items) if _item_name(x) == _item_name(item)]
+    if len(same) != 1:
+      return f"replaces the item named {clip(_item_name(item), 40)!r}, which the field holds {len(same)} times"
+    items[same[0]] = item
+  return ""
+
+
 def apply_state_changes(state: str, changes: str) -> tuple[str, str]:
   """(the state after `changes`, "") or ("", what is wrong). Never raises (the parser's contract)."""
   if changes.strip() == NO_CHANGE:
     return state, ""
   lines = state.splitlines()
   for change in changes.split("\n"):
+    edit = _EDIT.fullmatch(change)
+    if edit:
+      name, op, item = edit.groups()
+      at = [i for i, line in enumerate(lines) if _field(line) == name]
+      if len(at) != 1:
+        return "", f"the change {clip(change, 60)!r} edits a field the current state does not hold once"
+      items = list_items(lines[at[0]].partition(": ")[2])
+      problem = _edit_items(items, op, item)
+      if problem:
+        return "", f"the change {clip(change, 60)!r} {problem}"
+      lines[at[0]] = f"{name}: {', '.join(items)}"
+      continue
     if change.startswith("-"):
       names = [i for i, line in enumerate(lines) if _field(line) == change[1:]]
       if len(names) != 1:
@@ -278,14 +348,36 @@ def apply_state_changes(state: str, changes: str) -> tuple[str, str]:
   return ("\n".join(lines), "") if lines else ("", "the changes remove every line of the state")
 
 
-def state_change_text(state: str, next_state: str) -> str:
-  """The changes that turn `state` into `next_state` (the module docstring's format). Raises ValueError when no such
-  text rebuilds `next_state` exactly from `state`."""
+def _list_edits(old_line: str, new_line: str) -> list[str]:
+  """A changed field's line as item edits where they rebuild it and are shorter, else the line itself."""
+  name = _field(new_line)
+  old, new = list_items(old_line.partition(": ")[2]), list_items(new_line.partition(": ")[2])
+  removed, added = list((Counter(old) - Counter(new)).elements()), list((Counter(new) - Counter(old)).elements())
+  replaced, appended = [], []
+  for item in added:
+    same = [r for r in removed if _item_name(r) == _item_name(item)]
+    if same:
+      removed.remove(same[0])
+      replaced.append(item)
+    else:
+      appended.append(item)
+  edits = ([f"{name} ~= {i}" for i in replaced] + [f"{name} -= {i}" for i in removed]
+           + [f"{name} += {i}" for i in appended])
+  rebuilt, problem = apply_state_changes(old_line, "\n".join(edits))
+  return edits if edits and not problem and rebuilt == new_line and len("\n".join(edits)) < len(new_line) \
+      else [new_line]
+
+
+def state_change_text(state: str, next_state: str, list_edits: bool = False) -> str:
+  """The changes that turn `state` into `next_state` (the module docstring's format; with `list_edits`, changed
+  comma lists as item edits where shorter). Raises ValueError when no such text rebuilds `next_state` exactly."""
   before = {_field(line): line for line in state.splitlines()}
   after = [(_field(line), line) for line in next_state.splitlines()]
   kept = {name for name, _ in after}
-  text = "\n".join([f"-{name}" for name in before if name not in kept]
-                   + [line for name, line in after if before.get(name) != line]) or NO_CHANGE
+  changed = [_list_edits(before[name], line) if list_edits and name is not None and name in before else [line]
+             for name, line in after if before.get(name) != line]
+  text = "\n".join([f"-{name}" for name in before if name not in kept] + [c for lines in changed for c in lines]) \
+      or NO_CHANGE
   rebuilt, problem = apply_state_changes(state, text)
   if problem or rebuilt != next_state:
     raise ValueError("the next state is not the current one with some \"Field: value\" lines set or removed "
@@ -340,7 +432,7 @@ def render_target(cfg: ExpFormatConfig, reasoning: str, next_state: str, reward:
   if cfg.state_changes:
     if not state.strip():
       raise ValueError("render_target: the format writes state changes, and no current state is given")
-    next_state = state_change_text(state, next_state)
+    next_state = state_change_text(state, next_state, cfg.list_edits)
   think = f"<think>\n{reasoning}\n</think>\n" if cfg.reasoning else ""
   return (f"{think}<next_state>\n{next_state}\n</next_state>\n{actions}<invalid>{_flag(invalid)}</invalid>\n"
           f"<reward>{_reward_text(float(reward))}</reward>\n"
