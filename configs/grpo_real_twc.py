@@ -1,7 +1,8 @@
 """Real-env GRPO on the twc testbed's games with answers restricted to the admissible actions. From
 configs/reproduce_twc.py's SFT policy (0.530 greedy, 0.460 sampled on 200 held-out games) these settings reached 0.710
-and 0.660 in 57 minutes on 2 CPU cores, +0.18 and +0.20 (runs/grpo_twc_L3; one seed); at lr 1e-4 the same run gained
-+0.135 (experiments/RESULTS.md, eighth and ninth stops).
+and 0.660 in 57 minutes on 2 CPU cores, +0.18 and +0.20 (seed 0, runs/grpo_twc_L3), and with the faster update of
+the tenth stop 0.765 and 0.690 in 33 minutes, +0.235 and +0.230 (seed 1, runs/grpo_twc_S1); at lr 1e-4 seed 0 gained
++0.135 (experiments/RESULTS.md, eighth to tenth stops).
 
 Warm start: runs/reproduce/twc/sft/checkpoint, the SFT stage of `dreamjax reproduce --config
 configs/reproduce_twc.py` (any HF checkpoint via --set model.checkpoint=...).
