@@ -470,13 +470,14 @@ class PolicyLearner:
     keep = ~traj.left_out[traj.episode]  # rl_batch gives them no loss anyway; this spares their compute
     if cfg.drop_zero_variance_groups and cfg.algorithm == "grpo":
       keep &= ~flat[traj.group[traj.episode]]
-    batch, times = self.build_batch(traj, np.flatnonzero(keep))
+    kept = np.flatnonzero(keep)
+    batch, times = self.build_batch(traj, kept)
     t0 = time.perf_counter()
-    metrics = self.update(batch, np.flatnonzero(keep), iteration)
+    metrics = self.update(batch, kept, iteration)
     times["update_s"] = time.perf_counter() - t0
     if self.critic is not None:
       t0 = time.perf_counter()
-      metrics.update(self.update_critic(batch, np.flatnonzero(keep), iteration))
+      metrics.update(self.update_critic(batch, kept, iteration))
       times["critic_update_s"] = time.perf_counter() - t0
     if cfg.algorithm == "ppo":
       metrics.update(value_metrics(batch))

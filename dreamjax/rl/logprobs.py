@@ -238,6 +238,12 @@ def row_positions(valid: np.ndarray) -> np.ndarray:
   return np.maximum(np.cumsum(valid, axis=-1) - 1, 0).astype(np.int32)
 
 
+def row_ends(valid: np.ndarray) -> np.ndarray:
+  """int [B]: one past each row's last valid token (0 for an empty row); what follows is padding."""
+  valid = np.asarray(valid, bool)
+  return np.where(valid.any(-1), valid.shape[-1] - np.argmax(valid[:, ::-1], -1), 0)
+
+
 class LogpScorer:
   """Scores token rows under frozen parameters (reference policy, old policy, critic values) in fixed-size batches.
 
@@ -297,7 +303,7 @@ class LogpScorer:
     score_len = None if mask is None else score_len_for(mask)
     m, t = tokens.shape
     # A row's tokens past its last valid one are padding (they score 0), so a batch ends at its longest row.
-    ends = np.where(valid.any(-1), t - np.argmax(valid[:, ::-1], -1), 0)
+    ends = row_ends(valid)
     order = np.argsort(ends, kind="stable")
     logp = np.zeros((m, t), np.float32)
     values = np.zeros((m, t), np.float32) if self.with_values else None

@@ -64,7 +64,7 @@ from dreamjax.models.config import ModelConfig
 from dreamjax.parallel.distributed import to_devices
 from dreamjax.parallel.sharding import TRAIN_RULES, Rules, logical_to_spec
 from dreamjax.rl.batch import SharedPrefixBatch, TokenBatch, shared_prefix_batch, split_micro_batches
-from dreamjax.rl.logprobs import most_scored, score_len_for
+from dreamjax.rl.logprobs import most_scored, row_ends, score_len_for
 from dreamjax.rl.losses import safe_div
 from dreamjax.rl.objectives import LOSS_METRICS, DpoLossConfig, Objective, ValueLossConfig
 from dreamjax.rl.optim import current_learning_rate
@@ -269,7 +269,7 @@ class TrainStep:
     multi-turn rows, whose lengths vary by turn, this skips most of the padding to the step's longest row."""
     batch = jax.tree.map(np.asarray, batch)
     k, (b, t) = self.micro_batches, batch.tokens.shape
-    ends = np.where(batch.valid.any(-1), t - np.argmax(batch.valid[:, ::-1], -1), 0)
+    ends = row_ends(batch.valid)
     order = np.argsort(ends, kind="stable")
     micro = []
     for i in range(k):
