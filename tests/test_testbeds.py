@@ -89,9 +89,27 @@ def test_twc_trains_and_scores_on_disjoint_games_of_one_fold(variant):
     assert dataclasses.replace(cfg.exp, trajectories=exp.trajectories, out_dir=exp.out_dir, eval_every=exp.eval_every) \
         == exp
     assert exp.trajectories == ("runs/reproduce/twc/data/trajectories.jsonl",) and cfg.out_dir == "runs/reproduce/twc"
-  assert cfg.exp.format.state_changes  # twc's next states are the current ones with a few fields changed
+  # twc's next states are the current ones with a few fields changed, an item list by one item
+  assert cfg.exp.format.state_changes and cfg.exp.format.list_edits
   # Every answer is one of the admissible actions, with room for the longest (19 tokens).
   assert all(c.rollout.constrain_actions and c.rollout.max_action_tokens == 24 for c in stages)
+
+@pytest.mark.parametrize("variant", ["", ":tiny"])
+def test_dreamgym_twc_is_the_reproduce_stage_on_the_stages_folders(variant):
+  rep = load_config(f"configs/reproduce_twc.py{variant}")
+  own = load_config(f"configs/dreamgym_twc.py{variant}")
+  run = rep.out_dir
+  assert own.offline_data == (f"{run}/data/trajectories.jsonl",)
+  assert own.rl.model.checkpoint == f"{run}/sft/checkpoint" and own.rl.out_dir == own.out_dir
+  stage = rep.dreamgym
+  # Only the paths the reproduce stage rewires differ: the policy side, M_exp's format and the curriculum are its own.
+  assert dataclasses.replace(own, rl=dataclasses.replace(own.rl, model=stage.rl.model, out_dir=stage.rl.out_dir),
+                             exp_model=stage.exp_model, offline_data=stage.offline_data, out_dir=stage.out_dir) == stage
+  if not variant:
+    assert own.exp_model == f"{load_config('configs/train_exp_twc.py').out_dir}/checkpoint"
+  else:
+    assert own.exp_model == f"{run}/exp_model/checkpoint"
+
 
 def _state(location: str, exits: str) -> str:
   return f"Location: {location}\nYou see: stove\nExits: {exits}\nInventory (max 2): nothing"
