@@ -94,6 +94,7 @@ def test_twc_trains_and_scores_on_disjoint_games_of_one_fold(variant):
   # Every answer is one of the admissible actions, with room for the longest (19 tokens).
   assert all(c.rollout.constrain_actions and c.rollout.max_action_tokens == 24 for c in stages)
 
+
 @pytest.mark.parametrize("variant", ["", ":tiny"])
 def test_dreamgym_twc_is_the_reproduce_stage_on_the_stages_folders(variant):
   rep = load_config(f"configs/reproduce_twc.py{variant}")
@@ -102,7 +103,7 @@ def test_dreamgym_twc_is_the_reproduce_stage_on_the_stages_folders(variant):
   assert own.offline_data == (f"{run}/data/trajectories.jsonl",)
   assert own.rl.model.checkpoint == f"{run}/sft/checkpoint" and own.rl.out_dir == own.out_dir
   stage = rep.dreamgym
-  # Only the paths the reproduce stage rewires differ: the policy side, M_exp's format and the curriculum are its own.
+  # Only the paths the reproduce stage rewires differ: the policy side, reasoning and curriculum are the stage's.
   assert dataclasses.replace(own, rl=dataclasses.replace(own.rl, model=stage.rl.model, out_dir=stage.rl.out_dir),
                              exp_model=stage.exp_model, offline_data=stage.offline_data, out_dir=stage.out_dir) == stage
   if not variant:
