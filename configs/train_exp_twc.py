@@ -36,7 +36,8 @@ def config() -> ExpSftConfig:
   return dataclasses.replace(
       base,
       trajectories=("runs/reproduce/twc/data/trajectories.jsonl",),
-      format=ExpFormatConfig(reasoning=True, state_changes=True, list_edits=True, k=1, max_history=2),
+      format=ExpFormatConfig(reasoning=True, state_changes=True, list_edits=True, action_edits=True, k=1,
+                             max_history=2),
       model=dataclasses.replace(base.model, tiny=tiny_model(
           "qwen2", vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=3, num_heads=4, num_kv_heads=2,
           head_dim=32)),

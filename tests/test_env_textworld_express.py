@@ -15,7 +15,7 @@ from dreamjax.envs.textworld_express import (
     state_fields,
     tasks,
 )
-from dreamjax.experience.format import apply_state_changes, state_change_text
+from dreamjax.experience.format import action_edit_text, apply_action_edits, apply_state_changes, state_change_text
 
 GAMES = ("cookingworld", "twc", "coin")
 
@@ -98,14 +98,18 @@ def test_uniform_random_policy_mostly_fails(env, game, monkeypatch):
 def test_every_real_transition_is_its_state_with_fields_changed(env, game):
   """M_exp's state-changes format (ExpFormatConfig.state_changes) holds for these states: each next state is the
   current one with some "Field: value" lines set or removed, rebuilt exactly, in random and expert play; so do the
-  list edits (ExpFormatConfig.list_edits), which random play uses."""
+  list edits (ExpFormatConfig.list_edits), which random play uses, and the action edits of the admissible lists
+  (ExpFormatConfig.action_edits: TWX lists them sorted, so an added action's place is known)."""
   rng = random.Random(0)
   edited = 0
   for seed in range(3):
     state = (obs := env.reset(_task(env, game, seed))).state
     for _ in range(12):
+      shown = obs.admissible
       result = env.step(rng.choice(obs.admissible))
       obs = result.observation
+      listed = action_edit_text(shown, obs.admissible)  # raises where its text does not rebuild the list
+      assert list(obs.admissible) == sorted(obs.admissible) and apply_action_edits(shown, listed)[0] == obs.admissible
       text = state_change_text(state, obs.state)  # raises where the changes do not rebuild the next state
       assert apply_state_changes(state, text) == (obs.state, "")
       edits = state_change_text(state, obs.state, list_edits=True)

@@ -16,6 +16,8 @@ from dreamjax.experience.format import (
     ExpFormatConfig,
     ExpPrediction,
     action_lists,
+    action_edit_text,
+    apply_action_edits,
     apply_state_changes,
     build_prompt,
     parse_output,
@@ -37,6 +39,7 @@ BARE = ExpFormatConfig(reasoning=False, actions=False)  # neither think nor acti
 CHANGES = ExpFormatConfig(state_changes=True)  # the next state as its changed lines
 EDITS = ExpFormatConfig(state_changes=True, list_edits=True)  # and changed comma lists as item edits
 ACTS = ("open fridge", "take apple 🍎", "go  north ")  # kept verbatim, in the env's order
+ACTION_EDITS = ExpFormatConfig(action_edits=True)  # the next list as edits of the current one
 
 
 @pytest.fixture(scope="module", params=["chatml", "llama"])
@@ -178,6 +181,50 @@ def test_list_edits_write_only_the_items_that_change():
     ExpFormatConfig(list_edits=True)
 
 
+# A sorted list, as TextWorld-Express lists them: an added action goes in its sorted place.
+HERE = ("inventory", "look around", "open fridge", "take apple", "take flour")
+TAKEN = ("inventory", "look around", "open fridge", "put flour in shelf", "put flour in table", "take apple")
+
+
+def test_action_edits_write_only_the_actions_that_change():
+  assert action_edit_text(HERE, TAKEN) == "- take flour\n+ put flour in shelf\n+ put flour in table"
+  assert action_edit_text(HERE, HERE) == "(no change)"
+  assert action_edit_text(HERE, ()) == ""  # the episode ended: an empty block
+  assert action_edit_text(("a", "b", "c", "d"), ("b",)) == "b"  # edits no shorter than the list give the list
+  assert action_edit_text(("b", "a"), ("b", "a", "c")) == "+ c"
+  assert action_edit_text(("b", "a"), ("c", "b", "a")) == "c\nb\na"  # an order the insertion rule cannot rebuild
+  assert action_edit_text((), ACTS) == "\n".join(ACTS)
+  for before, after in [(HERE, TAKEN), (TAKEN, HERE), (HERE, HERE), (HERE, ()), ((), ACTS), (ACTS, ACTS[1:])]:
+    text = action_edit_text(before, after)
+    assert apply_action_edits(before, text) == (after, "")
+    target = render_target(ACTION_EDITS, "why", NEXT, 0.0, not after, False, admissible=after,
+                           current_admissible=before)
+    assert f"<actions>\n{text}\n</actions>" in target if text else "<actions>\n</actions>" in target
+    assert parse_output(target, ACTION_EDITS, admissible=before).admissible == after
+  # Without the switch the block is the whole list, read as it is, and the system prompt is the one earlier M_exp
+  # checkpoints were trained on.
+  assert parse_output(render_target(ON, "why", NEXT, 0.0, False, False, admissible=TAKEN, current_admissible=HERE),
+                      ON).admissible == TAKEN
+  assert "\"- action\"" in system_prompt(ACTION_EDITS) and "- action" not in system_prompt(ON)
+  assert ("<actions>\nthe actions admissible in the next state, one per line, in the environment's order (none when "
+          "the episode ends)\n</actions>") in system_prompt(ON)
+  with pytest.raises(ValueError, match="needs actions=True"):
+    ExpFormatConfig(actions=False, action_edits=True)
+  with pytest.raises(ValueError, match="read as action edits; this env needs ExpFormatConfig\\(action_edits=False\\)"):
+    action_edit_text(("x",), ("- y", "+ z"))
+
+
+@pytest.mark.parametrize("block, error", [
+    ("\n- take coin\n", "the edit '- take coin' removes an action the current list does not hold"),
+    ("\n+ take flour\n", "the edit '+ take flour' adds an action the current list already holds"),
+    ("\n- take flour\n- take flour\n", "the edit '- take flour' removes an action the current list does not hold"),
+])
+def test_unusable_action_edits_are_failure_outcomes(block, error):
+  p = parse_output(_good(actions=block), ACTION_EDITS, admissible=HERE)
+  assert not p.ok and p.next_state == FAILURE_STATE and p.error == f"<actions>: {error}"
+  assert parse_output(_good(actions=block), ON, admissible=HERE).ok  # read as a whole list without the switch
+
+
 @pytest.mark.parametrize("changes, state, error", [
     ("You see -= milk", STATE, "removes the item 'milk', which the field does not hold"),
     ("You see ~= table (clean)", STATE, "replaces the item named 'table', which the field holds 0 times"),
@@ -265,18 +312,19 @@ def test_parser_edge_cases():
 
 def test_parser_is_total_under_fuzzing():
   rng = random.Random(0)
-  cfgs = (ON, OFF, BARE, CHANGES, EDITS)  # CHANGES and EDITS read every output against STATE
+  cfgs = (ON, OFF, BARE, CHANGES, EDITS, ACTION_EDITS)  # every output is read against STATE and ACTS
   nexts = {cfg: [("why", NEXT), ("", "Location: é")] if cfg.state_changes else [("why", NEXT), ("", "é")]
            for cfg in cfgs}
-  valid = {cfg: [render_target(cfg, r, s, *o, admissible=() if o[1] else ACTS, state=STATE) for r, s in nexts[cfg]
+  valid = {cfg: [render_target(cfg, r, s, *o, admissible=() if o[1] else ACTS[1:], state=STATE, current_admissible=ACTS)
+                 for r, s in nexts[cfg]
                  for o in [(0.0, False, False, False), (1.0, True, True, False), (0.0, True, False, True)]]
            for cfg in cfgs}
   # Every strict prefix of a valid output is a failure (the last tag is cut), and never raises.
   for cfg in cfgs:
     for text in valid[cfg]:
-      assert parse_output(text, cfg, STATE).ok
+      assert parse_output(text, cfg, STATE, ACTS).ok
       for n in range(len(text)):
-        p = parse_output(text[:n], cfg, STATE)
+        p = parse_output(text[:n], cfg, STATE, ACTS)
         assert not p.ok and p.error and p.next_state == FAILURE_STATE, (n, text[:n])
   pieces = ["<think>", "</think>", "<next_state>", "</next_state>", "<actions>", "</actions>", "<invalid>", "</invalid>",
             "<reward>", "</reward>", "<done>", "</done>", "<success>", "</success>", "0", "1", "true", "false", "\n",
@@ -301,7 +349,7 @@ def test_parser_is_total_under_fuzzing():
     else:  # arbitrary unicode
       text = "".join(chr(rng.randrange(0x110000)) for _ in range(rng.randint(0, 40)))
     for cfg in cfgs:
-      p = parse_output(text, cfg, STATE)
+      p = parse_output(text, cfg, STATE, ACTS)
       assert isinstance(p, ExpPrediction) and isinstance(p.error, str)
       if p.ok:  # whatever parses is a consistent outcome, a real state and a renderable list
         assert p.error == "" and p.next_state.strip() and p.next_state != FAILURE_STATE

@@ -346,6 +346,29 @@ def test_state_changes_are_applied_to_each_row_s_own_state(cfg, tok, retriever, 
   assert (env.stats["parse_failures"], env.stats["exp_failures"]) == (3, 1)
 
 
+def test_action_edits_are_applied_to_each_row_s_own_list(cfg, tok, retriever, records):
+  """With `ExpFormatConfig.action_edits` M_exp writes how the row's current list changes (the recorded list at
+  reset, its own prediction after), and the env applies the edits to that row's list: the policy reads whole lists.
+  Edits that do not apply are a malformed answer (resampled, then an env failure)."""
+  fmt = dataclasses.replace(FMT, action_edits=True)
+  steps = [list(zip(transitions([r]), action_lists([r]))) for r in records[:2]]
+  answers = [{e: transition_target(fmt, t, _reason(t), following, shown)
+              for e, (t, (shown, following)) in enumerate(s[j] for s in steps)} for j in (0, 1)]
+  assert "<actions>\n(no change)\n</actions>" in answers[0][0] or "\n- " in answers[0][0] or "\n+ " in answers[0][0]
+  bad = answers[1][1].replace("<actions>\n", "<actions>\n- no such action\n", 1)
+  script = [answers[0], {0: answers[1][0], 1: bad}, {1: bad}, {1: bad}]
+  env = SyntheticEnv(cfg, None, tok, fmt, retriever, initial_states=initial_states_from(records), max_new_tokens=MAX_NEW,
+                     temperature=1.0, prompt_buckets=BUCKETS, key=jax.random.key(0))
+  env.sampler = ScriptedSampler(tok, lambda call, row: script[call][row], MAX_NEW)
+  env.reset_batch([r.task for r in records[:2]])
+  for j in (0, 1):
+    results = env.step_batch([r.steps[j].action for r in records[:2]])
+    for e in range(2 - j):  # row 1's second answer never applies
+      assert results[e].observation.admissible == steps[e][j][1][1] and not env_failed(results[e])
+  assert env_failed(results[1]) and "removes an action the current list does not hold" in results[1].info["exp_error"]
+  assert (env.stats["parse_failures"], env.stats["exp_failures"]) == (3, 1)
+
+
 # --- a fine-tuned model replays the records ----------------------------------------------------------------------
 
 

@@ -119,11 +119,11 @@ class Predictor:
           out[i] = self.tokenizer.decode(res.tokens[j, :n])
     return out
 
-  def predict(self, prompts: Sequence[np.ndarray], states: Sequence[str], temperature: float = 0.0,
-              seed: int = 0) -> tuple[list[str], list[ExpPrediction]]:
-    """Greedy (or sampled) answers to `prompts`, parsed against each prompt's current state."""
+  def predict(self, prompts: Sequence[np.ndarray], states: Sequence[str], admissible: Sequence[Sequence[str]],
+              temperature: float = 0.0, seed: int = 0) -> tuple[list[str], list[ExpPrediction]]:
+    """Greedy (or sampled) answers to `prompts`, parsed against each prompt's current state and admissible actions."""
     texts = self.generate(prompts, temperature, seed)
-    return texts, [parse_output(t, self.fmt, s) for t, s in zip(texts, states, strict=True)]
+    return texts, [parse_output(t, self.fmt, s, a) for t, s, a in zip(texts, states, admissible, strict=True)]
 
 
 # --- scoring ---------------------------------------------------------------------------------------------------------
@@ -273,7 +273,8 @@ def one_step(predictor: Predictor, examples: Sequence[ExpExample], *, scorer: Lo
   truths = [e.transition for e in examples]
   prompts = [e.prompt for e in examples]
   states = [t.state for t in truths]
-  texts, preds = predictor.predict(prompts, states)
+  shown = [e.admissible for e in examples]
+  texts, preds = predictor.predict(prompts, states, shown)
   reveal = reveal_mask(truths, predictor.fmt)
   model = score(truths, preds, [e.next_admissible for e in examples] if predictor.fmt.actions else None, reveal)
   copy = score(truths, [copy_prediction(t) for t in truths], reveal=reveal)
@@ -285,7 +286,7 @@ def one_step(predictor: Predictor, examples: Sequence[ExpExample], *, scorer: Lo
   if tv_samples > 0 and examples:
     hits = np.zeros(len(examples))
     for s in range(tv_samples):
-      _, sampled = predictor.predict(prompts, states, temperature=1.0, seed=seed + 1 + s)
+      _, sampled = predictor.predict(prompts, states, shown, temperature=1.0, seed=seed + 1 + s)
       hits += [p.next_state == t.next_state for t, p in zip(truths, sampled)]
     tv = 1.0 - hits / tv_samples
     model |= {"eps_P_sampled_mean": float(tv.mean()), "eps_P_sampled_max": float(tv.max()), "tv_samples": tv_samples}
@@ -334,11 +335,11 @@ def open_loop(predictor: Predictor, records: Sequence[TrajectoryRecord], annotat
     for i, t, neighbours in zip(live, steps, found):
       reasoning = annotations[t.episode_id].reasons[t.step]
       following = lists[i][h][1] or ()  # an unknown list (a cut episode's last step) reserves an empty block
-      reserve = len(tok.encode(transition_target(fmt, t, reasoning, following))) + len(
+      reserve = len(tok.encode(transition_target(fmt, t, reasoning, following, lists[i][h][0]))) + len(
           tok.chat_format.assistant.suffix)
       prompts.append(builder.prompt(t.instruction, history[i], neighbours, states[i], t.action, h, reserve,
                                     admissible=shown[i]))
-    _, out = predictor.predict(prompts, [states[i] for i in live])
+    _, out = predictor.predict(prompts, [states[i] for i in live], [shown[i] for i in live])
     for i, t, p in zip(live, steps, out):
       preds[i].append(p)
       history[i].append((states[i], t.action))

@@ -64,6 +64,24 @@ switch on, such a field is written as item edits where they rebuild it exactly a
 (the text before " (", so "shelf (empty)" becomes "shelf (flour)"). Commas inside parentheses do not split items.
 The parser reads edits with or without the switch; the switch only decides what the target writes.
 
+Action edits (switch `ExpFormatConfig.action_edits`, with the actions block): a step changes a few admissible
+actions, and a small model rewriting the whole list copies the unchanged ones as badly as it copied states (the
+actions block matched exactly on 0.17 of twc's held-out transitions, experiments/RESULTS.md, eleventh stop). In
+SyntheticEnv the error compounds: the next prompt shows the wrong list, and M_exp copies its wrong item. With the
+switch on the block says how the current list (the one the prompt shows) changes:
+
+  <actions>
+  - take flour
+  + put flour in shelf
+  </actions>
+
+"- action" removes an action the current list holds, "+ action" adds one it lacks, before the first listed action
+that sorts after it (so a sorted list, as TextWorld-Express lists, stays sorted); "(no change)" alone keeps the list.
+The target writes edits only where they rebuild the next list exactly, order included, and are shorter than it;
+otherwise the whole list, as without the switch (so a final state's empty block, and an env whose lists are in no
+sorted order, are written whole). `parse_output` applies them given the current list (`admissible`), and only with
+the switch on, since a whole list may hold an action that starts with "- ".
+
 Without reasoning (the ablation switch `ExpFormatConfig.reasoning=False`) the think block is absent. The target is
 appended to the prompt as the assistant turn with `Kind.ACTION`, so the SFT loss mask covers exactly the target
 tokens and its end-of-turn token: both terms of Eq. 5 (reasoning, then next state and reward) under one mask.
@@ -126,6 +144,9 @@ class ExpFormatConfig:
   # with state_changes: a changed comma-list field written as item edits ("Field -= item", "Field += item",
   # "Field ~= item") where they rebuild it and are shorter (module docstring, "List edits")
   list_edits: bool = False
+  # with actions: the next state's admissible actions written as edits of the current list ("- action", "+ action",
+  # "(no change)") where they rebuild it and are shorter (module docstring, "Action edits")
+  action_edits: bool = False
   max_history: int = 4  # most recent (state, action) pairs shown
   k: int = 3  # retrieved transitions shown (the first k given)
   max_state_chars: int = 2000  # each state shown in the prompt (current, history, retrieved) is clipped to this
@@ -138,6 +159,8 @@ class ExpFormatConfig:
         raise ValueError(f"ExpFormatConfig.{name} must be >= 0, got {getattr(self, name)}")
     if self.list_edits and not self.state_changes:
       raise ValueError("ExpFormatConfig.list_edits writes edits of the state changes: it needs state_changes=True")
+    if self.action_edits and not self.actions:
+      raise ValueError("ExpFormatConfig.action_edits writes edits of the actions block: it needs actions=True")
     for name in ("max_state_chars", "max_action_chars", "max_tutorial_chars"):
       if getattr(self, name) < 16:
         raise ValueError(f"ExpFormatConfig.{name} must be >= 16, got {getattr(self, name)}")
@@ -179,8 +202,12 @@ def system_prompt(cfg: ExpFormatConfig) -> str:
            "is now complete or failed\n</think>\n") if cfg.reasoning else ""
   first = "First reason step by step, then predict" if cfg.reasoning else "Predict"
   listed = ", the actions admissible in it" if cfg.actions else ""
-  actions = ("<actions>\nthe actions admissible in the next state, one per line, in the environment's order (none "
-             "when the episode ends)\n</actions>\n") if cfg.actions else ""
+  # Without the switch the text is what earlier M_exp checkpoints were trained on.
+  listing = (": (no change) when they are the current ones, or one line per change, \"- action\" for an action "
+             "removed and \"+ action\" for one added, or the whole list, one per line, in the environment's order"
+             ) if cfg.action_edits else ", one per line, in the environment's order"
+  actions = (f"<actions>\nthe actions admissible in the next state{listing} (none when the episode ends)"
+             "\n</actions>\n") if cfg.actions else ""
   edits = (", or \"Field -= item\", \"Field += item\" or \"Field ~= item\" for one item of a comma list removed, "
            "appended, or put in place of the item of the same name") if cfg.list_edits else ""
   state = ("the next state's lines that differ from the current state's, one per line: \"Field: value\" for a field "
@@ -386,6 +413,52 @@ def state_change_text(state: str, next_state: str, list_edits: bool = False) -> 
   return text
 
 
+# --- action edits ----------------------------------------------------------------------------------------------------
+
+_ACTION_EDIT = re.compile(r"([-+]) (.+)")
+
+
+def apply_action_edits(admissible: Sequence[str], block: str) -> tuple[tuple[str, ...], str]:
+  """(the list `block` describes given the current list `admissible`, "") or ((), what is wrong); the module
+  docstring's "Action edits". A block not made of edit lines is the whole list. Never raises."""
+  lines = block.split("\n") if block else []
+  if lines == [NO_CHANGE]:
+    return tuple(admissible), ""
+  edits = [_ACTION_EDIT.fullmatch(line) for line in lines]
+  if not lines or not all(edits):
+    return tuple(lines), ""
+  out = list(admissible)
+  for line, edit in zip(lines, edits):
+    op, action = edit.groups()
+    if op == "-":
+      if action not in out:
+        return (), f"the edit {clip(line, 60)!r} removes an action the current list does not hold"
+      out.remove(action)
+    elif action in out:
+      return (), f"the edit {clip(line, 60)!r} adds an action the current list already holds"
+    else:
+      out.insert(next((j for j, a in enumerate(out) if a > action), len(out)), action)
+  return tuple(out), ""
+
+
+def action_edit_text(admissible: Sequence[str], following: Sequence[str]) -> str:
+  """The actions block's body for the next list `following` after the current `admissible`: "(no change)", the edits
+  (removals, then additions in list order) where they rebuild it and are shorter, else the whole list. Raises
+  ValueError when no such text rebuilds `following` exactly."""
+  whole = text = "\n".join(following)
+  if following and tuple(following) == tuple(admissible):
+    text = NO_CHANGE
+  elif following:
+    edits = "\n".join([f"- {a}" for a in (Counter(admissible) - Counter(following)).elements()]
+                      + [f"+ {a}" for a in (Counter(following) - Counter(admissible)).elements()])
+    if len(edits) < len(whole) and apply_action_edits(admissible, edits) == (tuple(following), ""):
+      text = edits
+  if apply_action_edits(admissible, text) != (tuple(following), ""):
+    raise ValueError(f"the admissible actions {clip(whole, 60)!r} read as action edits; this env needs "
+                     "ExpFormatConfig(action_edits=False)")
+  return text
+
+
 # --- the target ------------------------------------------------------------------------------------------------------
 
 
@@ -405,10 +478,12 @@ def _actions_problem(admissible: Sequence[str]) -> str:
 
 
 def render_target(cfg: ExpFormatConfig, reasoning: str, next_state: str, reward: float, done: bool,
-                  success: bool, invalid: bool = False, admissible: Sequence[str] = (), state: str = "") -> str:
+                  success: bool, invalid: bool = False, admissible: Sequence[str] = (), state: str = "",
+                  current_admissible: Sequence[str] = ()) -> str:
   """The text M_exp is trained to write; `parse_output` reads it back exactly (tested). `admissible`: the actions
   admissible in `next_state` (the actions block; ignored when the format has none); `state`: the current state, which
-  the format's state changes are taken against (ignored without them).
+  the format's state changes are taken against (ignored without them); `current_admissible`: the actions admissible
+  in `state`, which the format's action edits are taken against (ignored without them).
 
   Raises ValueError for an outcome that is not a consistent binary one, for text that holds a format tag (it would
   make the target unparseable), and for admissible actions that are not single lines or follow the episode's end.
@@ -428,7 +503,8 @@ def render_target(cfg: ExpFormatConfig, reasoning: str, next_state: str, reward:
     problem = _ended_with_actions(tuple(admissible), bool(done)) or _actions_problem(tuple(admissible))
     if problem:
       raise ValueError(f"render_target: {problem}")
-    actions = "<actions>\n" + "".join(f"{a}\n" for a in admissible) + "</actions>\n"
+    body = action_edit_text(current_admissible, admissible) if cfg.action_edits else "\n".join(admissible)
+    actions = f"<actions>\n{body}\n</actions>\n" if body else "<actions>\n</actions>\n"
   if cfg.state_changes:
     if not state.strip():
       raise ValueError("render_target: the format writes state changes, and no current state is given")
@@ -451,9 +527,10 @@ def action_lists(records: Iterable[TrajectoryRecord]) -> Iterator[tuple[tuple[st
 
 
 def transition_target(cfg: ExpFormatConfig, t: Transition, reasoning: str = "",
-                      next_admissible: Sequence[str] | None = None) -> str:
+                      next_admissible: Sequence[str] | None = None, admissible: Sequence[str] = ()) -> str:
   """The exact target text for a recorded transition, with `next_admissible` (from `action_lists`) as its actions
-  block; a record that cannot be a target is an error naming its episode and step. A transition that does not end the
+  block, taken against `admissible` (the list its state shows) with action edits; a record that cannot be a target is
+  an error naming its episode and step. A transition that does not end the
   episode needs its next state's list when the format has the actions block: rendering an unknown list as an empty one
   would teach M_exp that the state admits nothing."""
   where = f"episode {t.episode_id!r}, step {t.step}"
@@ -462,7 +539,7 @@ def transition_target(cfg: ExpFormatConfig, t: Transition, reasoning: str = "",
                      f"step), and the format has the actions block")
   try:
     return render_target(cfg, reasoning, t.next_state, t.reward, t.done, t.success, t.invalid,
-                         () if next_admissible is None else next_admissible, t.state)
+                         () if next_admissible is None else next_admissible, t.state, admissible)
   except ValueError as e:
     raise ValueError(f"{where}: {e}") from None
 
@@ -482,7 +559,7 @@ def transition_example(tokenizer: Tokenizer, cfg: ExpFormatConfig, t: Transition
   """The SFT example of a transition (its history, step index, state, the actions admissible in it, action, outcome,
   and the actions admissible after it: the pair `action_lists` gives)."""
   return sft_example(tokenizer, cfg, t.instruction, t.history, retrieved, t.state, t.action,
-                     transition_target(cfg, t, reasoning, next_admissible), tutorial, step=t.step,
+                     transition_target(cfg, t, reasoning, next_admissible, admissible), tutorial, step=t.step,
                      admissible=admissible)
 
 
@@ -511,9 +588,10 @@ def _parse_reward(value: str) -> tuple[float | None, str]:
   return None, f"<reward> is {clip(value.strip(), 40)!r}, expected 0 or 1"
 
 
-def parse_output(text: str, cfg: ExpFormatConfig, state: str = "") -> ExpPrediction:
+def parse_output(text: str, cfg: ExpFormatConfig, state: str = "", admissible: Sequence[str] = ()) -> ExpPrediction:
   """Reads M_exp's output (decoded without the end-of-turn token); never raises (see the module docstring). `state`:
-  the current state, which the format's state changes are applied to (ignored without them)."""
+  the current state, which the format's state changes are applied to (ignored without them); `admissible`: the
+  current state's actions, which the format's action edits are applied to (ignored without them)."""
   if not isinstance(text, str):
     return ExpPrediction.failure(f"output is a {type(text).__name__}, not text")
   s = text.strip()
@@ -563,12 +641,16 @@ def parse_output(text: str, cfg: ExpFormatConfig, state: str = "") -> ExpPredict
     next_state, problem = apply_state_changes(state, next_state)
     if problem:
       return ExpPrediction.failure(f"<next_state>: {problem}", reasoning)
-  admissible: tuple[str, ...] = ()
+  listed: tuple[str, ...] = ()  # the next state's actions
   if cfg.actions:
-    admissible = tuple(blocks["actions"].split("\n")) if blocks["actions"] else ()
-    if any(not a.strip() for a in admissible):
+    listed = tuple(blocks["actions"].split("\n")) if blocks["actions"] else ()
+    if any(not a.strip() for a in listed):
       return ExpPrediction.failure("an empty line in <actions>", reasoning)
-    problem = _actions_problem(admissible)
+    if cfg.action_edits:
+      listed, problem = apply_action_edits(admissible, blocks["actions"])
+      if problem:
+        return ExpPrediction.failure(f"<actions>: {problem}", reasoning)
+    problem = _actions_problem(listed)
     if problem:
       return ExpPrediction.failure(f"<actions>: {problem}", reasoning)
   invalid, error = _parse_flag(blocks["invalid"], "invalid")
@@ -577,7 +659,7 @@ def parse_output(text: str, cfg: ExpFormatConfig, state: str = "") -> ExpPredict
   success, error = (None, error) if error else _parse_flag(blocks["success"], "success")
   if error:
     return ExpPrediction.failure(error, reasoning)
-  problem = outcome_problem(reward, done, success, invalid) or _ended_with_actions(admissible, done)
+  problem = outcome_problem(reward, done, success, invalid) or _ended_with_actions(listed, done)
   if problem:
     return ExpPrediction.failure(f"inconsistent outcome: {problem}", reasoning)
-  return ExpPrediction(next_state, reward, done, success, reasoning, True, "", invalid, admissible)
+  return ExpPrediction(next_state, reward, done, success, reasoning, True, "", invalid, listed)

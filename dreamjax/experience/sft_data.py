@@ -180,7 +180,7 @@ class ExampleBuilder:
     fmt = self.fmt
     history = list(t.history)[-fmt.max_history:] if fmt.history and fmt.max_history else []
     shown = list(retrieved)[: fmt.k] if fmt.retrieval else []
-    target = transition_target(fmt, t, reasoning, next_admissible)
+    target = transition_target(fmt, t, reasoning, next_admissible, admissible)
     admissible = tuple(admissible) if fmt.actions else ()
     next_admissible = tuple(next_admissible or ()) if fmt.actions else ()
     cut_history = cut_retrieval = False
@@ -246,7 +246,7 @@ def corpus(records: Sequence[TrajectoryRecord], annotations: Mapping[str, Annota
   for t, (shown, following) in zip(transitions(records), action_lists(records)):
     a = annotations[t.episode_id]
     texts.append(render_user(fmt, t.instruction, t.history, [t], t.state, t.action, a.tutorial, t.step, shown))
-    texts.append(transition_target(fmt, t, a.reasons[t.step], () if following is None else following))
+    texts.append(transition_target(fmt, t, a.reasons[t.step], () if following is None else following, shown))
   return texts
 
 

@@ -40,9 +40,10 @@ Admissible actions. Every observation lists admissible actions, as the real envs
 prompt has the same layout in DreamGym as in real-env RL, S2R and the final evaluation: reset shows the recorded list
 of the initial state, and each step the list M_exp predicted for the state it wrote (the actions block of its
 target, dreamjax/experience/format.py; the format must have it, and `load_exp_model` refuses an M_exp trained
-without it). M_exp's prompt shows the row's current list (recorded at reset, predicted after). The lists are learned,
-for every env, rather than derived from the predicted state, because no env here exposes a list that is a function
-of its abstract state text:
+without it). M_exp's prompt shows the row's current list (recorded at reset, predicted after); with the format's
+action edits M_exp writes how that list changes, and the parser applies the edits to the row's own list. The lists
+are learned, for every env, rather than derived from the predicted state, because no env here exposes a list that is
+a function of its abstract state text:
 - TextWorld-Express: TWX's engine lists actions on every object of the game, distractors the state never names
   (simonsays lists "examine apple" while the state shows only Simon's order);
 - ALFWorld: the TextWorld/PDDL engine's `admissible_commands`, over objects and receptacles the belief state has not
@@ -361,7 +362,7 @@ class SyntheticEnv:
           texts[i] = self.tokenizer.decode(ids[:-1] if ended else ids)
           generated[i] += length
           stopped[i], attempts[i] = ended, attempt + 1
-          preds[i] = parse_output(texts[i], self.fmt, self._rows[i].state)
+          preds[i] = parse_output(texts[i], self.fmt, self._rows[i].state, self._rows[i].admissible)
           stats["parse_failures"] += not preds[i].ok
         pending = {i: p for i, p in pending.items() if not preds[i].ok}
         stats["parse_s"] += time.perf_counter() - t1

@@ -94,7 +94,7 @@ def bench_synthetic(args, records: list[TrajectoryRecord]) -> dict:
         if following is not None or t.done]
   rng = np.random.default_rng(args.seed)
   sample = [ts[i] for i in rng.choice(len(ts), min(len(ts), 2000), replace=False)]
-  targets = [transition_target(fmt, t, "", following) for t, _, following in sample]
+  targets = [transition_target(fmt, t, "", following, shown) for t, shown, following in sample]
   texts = [system_prompt(fmt)] + [render_user(fmt, t.instruction, t.history, [], t.state, t.action, admissible=shown)
                                   for t, shown, _ in sample] + targets
   tok = train_bpe_tokenizer(texts, tempfile.mkdtemp(prefix="bench_tok_"), vocab_size=args.vocab)
