@@ -7,7 +7,10 @@ container's contents, the feedback), and nothing in twc's next states is hidden 
 state made the model copy a long "You see" list token for token, and a 3-layer model with reasoning on scored 0.00
 exact match after 500 steps, below the 0.16 of copying the current state. Changed lines scored 0.318 on the 737
 held-out transitions after 1,600 steps (experiments/RESULTS.md, ninth stop); with item edits, which leave only the
-item the action names to copy, 0.653 (eleventh stop). Most of the remaining errors misquote that item.
+item the action names to copy, 0.653 (eleventh stop). Most of the remaining errors misquote that item. Writing the
+admissible list as edits too (`ExpFormatConfig.action_edits`) lists it right far more often (0.61 exact against
+0.17) but lowers exact match to 0.623 and doubles parse failures, and more synthetic episodes fail with it
+(twelfth stop), so it stays off here.
 
 The data: the testbed's collection (`dreamjax reproduce --config configs/reproduce_twc.py` writes it first, in
 runs/reproduce/twc/data). The reproduce stage trains this same config on it (tests/test_testbeds.py checks).
@@ -36,8 +39,7 @@ def config() -> ExpSftConfig:
   return dataclasses.replace(
       base,
       trajectories=("runs/reproduce/twc/data/trajectories.jsonl",),
-      format=ExpFormatConfig(reasoning=True, state_changes=True, list_edits=True, action_edits=True, k=1,
-                             max_history=2),
+      format=ExpFormatConfig(reasoning=True, state_changes=True, list_edits=True, k=1, max_history=2),
       model=dataclasses.replace(base.model, tiny=tiny_model(
           "qwen2", vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=3, num_heads=4, num_kv_heads=2,
           head_dim=32)),

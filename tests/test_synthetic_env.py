@@ -318,6 +318,18 @@ def test_a_row_that_never_parses_ends_as_an_env_failure(cfg, tok, retriever, rec
     assert (env.stats["exp_retries"], env.stats["exp_failures"]) == (0, 1)
 
 
+def _replay_two_rows(cfg, tok, retriever, records, fmt, answers, bad):
+  """Steps the first two records' first two actions through a SyntheticEnv whose M_exp answers `answers[j][row]`,
+  except row 1's second answer, which is `bad` on every attempt (it is retried twice); returns (both steps' results,
+  the env)."""
+  script = [answers[0], {0: answers[1][0], 1: bad}, {1: bad}, {1: bad}]
+  env = SyntheticEnv(cfg, None, tok, fmt, retriever, initial_states=initial_states_from(records), max_new_tokens=MAX_NEW,
+                     temperature=1.0, prompt_buckets=BUCKETS, key=jax.random.key(0))
+  env.sampler = ScriptedSampler(tok, lambda call, row: script[call][row], MAX_NEW)
+  env.reset_batch([r.task for r in records[:2]])
+  return [env.step_batch([r.steps[j].action for r in records[:2]]) for j in (0, 1)], env
+
+
 def test_state_changes_are_applied_to_each_row_s_own_state(cfg, tok, retriever, records):
   """With `ExpFormatConfig.state_changes` M_exp writes only the changed lines, and the env applies them to the row's
   current state: the policy reads whole states, as with the whole-state format. Changes that do not apply are a
@@ -330,13 +342,8 @@ def test_state_changes_are_applied_to_each_row_s_own_state(cfg, tok, retriever, 
   assert f"<next_state>\nFeedback: {state_fields(first.next_state)['Feedback']}\n</next_state>" in answers[0][0]
   bad = "<think>\nx\n</think>\n<next_state>\n-Nope\n</next_state>\n<actions>\n</actions>\n<invalid>false</invalid>\n" \
         "<reward>0</reward>\n<done>false</done>\n<success>false</success>"
-  script = [answers[0], {0: answers[1][0], 1: bad}, {1: bad}, {1: bad}]
-  env = SyntheticEnv(cfg, None, tok, fmt, retriever, initial_states=initial_states_from(records), max_new_tokens=MAX_NEW,
-                     temperature=1.0, prompt_buckets=BUCKETS, key=jax.random.key(0))
-  env.sampler = ScriptedSampler(tok, lambda call, row: script[call][row], MAX_NEW)
-  env.reset_batch([r.task for r in records[:2]])
-  for j in (0, 1):
-    results = env.step_batch([r.steps[j].action for r in records[:2]])
+  by_step, env = _replay_two_rows(cfg, tok, retriever, records, fmt, answers, bad)
+  for j, results in enumerate(by_step):
     for e in range(2 - j):  # row 1's second answer never applies
       s = records[e].steps[j]
       assert (results[e].observation.state, results[e].reward, results[e].done) == (s.next_state, s.reward, s.done)
@@ -356,13 +363,8 @@ def test_action_edits_are_applied_to_each_row_s_own_list(cfg, tok, retriever, re
               for e, (t, (shown, following)) in enumerate(s[j] for s in steps)} for j in (0, 1)]
   assert "<actions>\n(no change)\n</actions>" in answers[0][0] or "\n- " in answers[0][0] or "\n+ " in answers[0][0]
   bad = answers[1][1].replace("<actions>\n", "<actions>\n- no such action\n", 1)
-  script = [answers[0], {0: answers[1][0], 1: bad}, {1: bad}, {1: bad}]
-  env = SyntheticEnv(cfg, None, tok, fmt, retriever, initial_states=initial_states_from(records), max_new_tokens=MAX_NEW,
-                     temperature=1.0, prompt_buckets=BUCKETS, key=jax.random.key(0))
-  env.sampler = ScriptedSampler(tok, lambda call, row: script[call][row], MAX_NEW)
-  env.reset_batch([r.task for r in records[:2]])
-  for j in (0, 1):
-    results = env.step_batch([r.steps[j].action for r in records[:2]])
+  by_step, env = _replay_two_rows(cfg, tok, retriever, records, fmt, answers, bad)
+  for j, results in enumerate(by_step):
     for e in range(2 - j):  # row 1's second answer never applies
       assert results[e].observation.admissible == steps[e][j][1][1] and not env_failed(results[e])
   assert env_failed(results[1]) and "removes an action the current list does not hold" in results[1].info["exp_error"]

@@ -89,9 +89,8 @@ def test_twc_trains_and_scores_on_disjoint_games_of_one_fold(variant):
     assert dataclasses.replace(cfg.exp, trajectories=exp.trajectories, out_dir=exp.out_dir, eval_every=exp.eval_every) \
         == exp
     assert exp.trajectories == ("runs/reproduce/twc/data/trajectories.jsonl",) and cfg.out_dir == "runs/reproduce/twc"
-  # twc's next states are the current ones with a few fields changed, an item list by one item, and its admissible
-  # lists the current ones with a few actions changed
-  assert cfg.exp.format.state_changes and cfg.exp.format.list_edits and cfg.exp.format.action_edits
+  # twc's next states are the current ones with a few fields changed, an item list by one item
+  assert cfg.exp.format.state_changes and cfg.exp.format.list_edits
   # Every answer is one of the admissible actions, with room for the longest (19 tokens).
   assert all(c.rollout.constrain_actions and c.rollout.max_action_tokens == 24 for c in stages)
 
