@@ -12,6 +12,11 @@ admissible list as edits too (`ExpFormatConfig.action_edits`) lists it right far
 0.17) but lowers exact match to 0.623 and doubles parse failures, and more synthetic episodes fail with it
 (twelfth stop), so it stays off here.
 
+The system message only names the job (`ExpFormatConfig.instructions=False`): a model trained from scratch learns the
+format from its targets, and the format's explanation was 524 of an example's 1,137 tokens on average. Without it a
+step takes half the time, and 2,400 steps took 66 minutes where 1,600 took 86: held-out exact match 0.748 against
+0.653, parse failures 0.064 against 0.132 (thirteenth stop). max_len 896 fits 99% of the examples whole.
+
 The data: the testbed's collection (`dreamjax reproduce --config configs/reproduce_twc.py` writes it first, in
 runs/reproduce/twc/data). The reproduce stage trains this same config on it (tests/test_testbeds.py checks).
 
@@ -29,7 +34,7 @@ from dreamjax.models import tiny as tiny_model
 from dreamjax.rl.optim import OptimConfig
 
 HERE = Path(__file__).parent
-STEPS = 1600
+STEPS = 2400
 
 
 def config() -> ExpSftConfig:
@@ -39,18 +44,19 @@ def config() -> ExpSftConfig:
   return dataclasses.replace(
       base,
       trajectories=("runs/reproduce/twc/data/trajectories.jsonl",),
-      format=ExpFormatConfig(reasoning=True, state_changes=True, list_edits=True, k=1, max_history=2),
+      format=ExpFormatConfig(reasoning=True, state_changes=True, list_edits=True, instructions=False, k=1,
+                             max_history=2),
       model=dataclasses.replace(base.model, tiny=tiny_model(
           "qwen2", vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=3, num_heads=4, num_kv_heads=2,
           head_dim=32)),
       optim=OptimConfig(lr=3e-3, warmup_steps=30, schedule="cosine", total_steps=STEPS, end_lr_factor=0.1),
-      steps=STEPS, max_len=1280, eval_every=400,
+      steps=STEPS, max_len=896, eval_every=400,
       out_dir="runs/exp_sft/twc",
   )
 
 
 def tiny() -> ExpSftConfig:
-  return dataclasses.replace(config(), steps=4, eval_every=0, eval_examples=4, max_len=1024,
+  return dataclasses.replace(config(), steps=4, eval_every=0, eval_examples=4,
                              optim=dataclasses.replace(config().optim, warmup_steps=1, total_steps=4),
                              trajectories=("runs/reproduce/twc_tiny/data/trajectories.jsonl",),
                              out_dir="runs/exp_sft/twc_tiny")

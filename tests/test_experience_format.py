@@ -447,6 +447,21 @@ def test_sft_example_masks_exactly_the_target(tok):
   assert np.array_equal(again.ids, ex.ids)
 
 
+def test_instructions_switch_shortens_only_the_system_message(tok):
+  # Off, the system message names the job and nothing else; the user message and the target are the same tokens.
+  brief = dataclasses.replace(ON, instructions=False)
+  assert system_prompt(brief) == "You simulate an interactive environment for an agent."
+  assert system_prompt(ON).startswith(system_prompt(brief) + " You are given the agent's task")
+  assert len(system_prompt(ON)) > 10 * len(system_prompt(brief))
+  target = render_target(ON, "The fridge opens.", NEXT, 0.0, False, False, admissible=ACTS)
+  args = ("Open the fridge.", [("s0", "look")], [_transition(1)], STATE, "open fridge", target)
+  full, short = sft_example(tok, ON, *args), sft_example(tok, brief, *args)
+  rest = [len(ex.ids) - int(np.argmax(ex.kinds == Kind.TASK)) for ex in (full, short)]  # from the user message on
+  assert rest[0] == rest[1] and np.array_equal(full.ids[-rest[0]:], short.ids[-rest[1]:])
+  assert np.array_equal(full.loss_mask[-rest[0]:], short.loss_mask[-rest[1]:])
+  assert render_target(brief, "The fridge opens.", NEXT, 0.0, False, False, admissible=ACTS) == target
+
+
 def test_transition_example_from_records(tok):
   task = Task.make("textworld_express", "coin/train/0", "Find the coin.", game="coin", seed=0)
   steps = (StepRecord("Location: a", "move east", "Location: b", 0.0, False, False, False, ("move east",), "expert"),

@@ -82,6 +82,12 @@ otherwise the whole list, as without the switch (so a final state's empty block,
 sorted order, are written whole). `parse_output` applies them given the current list (`admissible`), and only with
 the switch on, since a whole list may hold an action that starts with "- ".
 
+Instructions (switch `ExpFormatConfig.instructions`, on by default): the system message explains the job and the
+answer format, which a pretrained LLM needs to be told. A model trained from scratch learns the format from its
+targets alone and gains nothing from reading the same ~520 tokens at the head of every example, which on twc are half
+of each example's length and so half of each training step's work (experiments/RESULTS.md, thirteenth stop). With the
+switch off the system message is its first sentence only.
+
 Without reasoning (the ablation switch `ExpFormatConfig.reasoning=False`) the think block is absent. The target is
 appended to the prompt as the assistant turn with `Kind.ACTION`, so the SFT loss mask covers exactly the target
 tokens and its end-of-turn token: both terms of Eq. 5 (reasoning, then next state and reward) under one mask.
@@ -128,6 +134,7 @@ from dreamjax.text import Kind, SegmentBuilder, Tokenizer, policy_mask
 TAGS = ("think", "next_state", "actions", "invalid", "reward", "done", "success")
 FAILURE_STATE = "The simulation failed: the experience model's prediction could not be read. The episode is over."
 _MARKERS = tuple(m for tag in TAGS for m in (f"<{tag}>", f"</{tag}>"))
+JOB = "You simulate an interactive environment for an agent."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +154,9 @@ class ExpFormatConfig:
   # with actions: the next state's admissible actions written as edits of the current list ("- action", "+ action",
   # "(no change)") where they rebuild it and are shorter (module docstring, "Action edits")
   action_edits: bool = False
+  # the system message explains the job and the answer format; off, it only names the job (module docstring,
+  # "Instructions")
+  instructions: bool = True
   max_history: int = 4  # most recent (state, action) pairs shown
   k: int = 3  # retrieved transitions shown (the first k given)
   max_state_chars: int = 2000  # each state shown in the prompt (current, history, retrieved) is clipped to this
@@ -198,6 +208,8 @@ class SFTExample(NamedTuple):
 
 
 def system_prompt(cfg: ExpFormatConfig) -> str:
+  if not cfg.instructions:
+    return JOB
   think = ("<think>\nhow the action changes the state: whether it is valid here, what it affects, and whether the task "
            "is now complete or failed\n</think>\n") if cfg.reasoning else ""
   first = "First reason step by step, then predict" if cfg.reasoning else "Predict"
@@ -214,7 +226,7 @@ def system_prompt(cfg: ExpFormatConfig) -> str:
            f"set or added, \"-Field\" for a field removed{edits}, or (no change)") if cfg.state_changes \
       else "the whole next state"
   return (
-      "You simulate an interactive environment for an agent. You are given the agent's task, examples of similar "
+      f"{JOB} You are given the agent's task, examples of similar "
       f"past transitions, the recent history of the episode, the current state{listed} and the agent's action. "
       f"{first} the environment's response: the next state, written in exactly the same format as the states you "
       f"are shown{listed}, whether the environment rejects the action as invalid, and the outcome.\n"
