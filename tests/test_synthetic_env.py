@@ -330,6 +330,24 @@ def _replay_two_rows(cfg, tok, retriever, records, fmt, answers, bad):
   return [env.step_batch([r.steps[j].action for r in records[:2]]) for j in (0, 1)], env
 
 
+def test_prompts_follow_the_format_s_instructions_switch(cfg, tok, retriever, records):
+  """M_exp trained without the format's explanation (`ExpFormatConfig.instructions=False`) reads the same short
+  system message in its episodes as in training."""
+  fmt = dataclasses.replace(FMT, instructions=False)
+  env = SyntheticEnv(cfg, None, tok, fmt, retriever, initial_states=initial_states_from(records), max_new_tokens=MAX_NEW,
+                     temperature=1.0, prompt_buckets=BUCKETS, key=jax.random.key(0))
+  env.sampler = ScriptedSampler(tok, lambda call, row: _target(records, 0, 0), MAX_NEW)
+  r, step = records[0], records[0].steps[0]
+  env.reset_batch([r.task], exclude_episodes=[r.episode_id])
+  env.step_batch([step.action])
+  found = retriever.query([step.state], [step.action], fmt.k, exclude_episodes=[r.episode_id])[0]
+  expected = build_prompt(tok, fmt, r.instruction, [], found, step.state, step.action, step=0,
+                          admissible=step.admissible).prompt()
+  np.testing.assert_array_equal(env.last_prompts[0], expected)
+  assert len(expected) < len(build_prompt(tok, FMT, r.instruction, [], found, step.state, step.action, step=0,
+                                          admissible=step.admissible).prompt())
+
+
 def test_state_changes_are_applied_to_each_row_s_own_state(cfg, tok, retriever, records):
   """With `ExpFormatConfig.state_changes` M_exp writes only the changed lines, and the env applies them to the row's
   current state: the policy reads whole states, as with the whole-state format. Changes that do not apply are a
