@@ -107,10 +107,10 @@ def retriever(cfg, random_params, tok, records):
   return r
 
 
-def _env(cfg, params, tok, retriever, records, **kw) -> SyntheticEnv:
+def _env(cfg, params, tok, retriever, records, fmt=FMT, **kw) -> SyntheticEnv:
   kw = dict(initial_states=initial_states_from(records), max_new_tokens=MAX_NEW, temperature=0.0,
             prompt_buckets=BUCKETS, key=jax.random.key(0)) | kw
-  return SyntheticEnv(cfg, params, tok, FMT, retriever, **kw)
+  return SyntheticEnv(cfg, params, tok, fmt, retriever, **kw)
 
 
 def _own(records):
@@ -322,10 +322,8 @@ def _replay_two_rows(cfg, tok, retriever, records, fmt, answers, bad):
   """Steps the first two records' first two actions through a SyntheticEnv whose M_exp answers `answers[j][row]`,
   except row 1's second answer, which is `bad` on every attempt (it is retried twice); returns (both steps' results,
   the env)."""
-  script = [answers[0], {0: answers[1][0], 1: bad}, {1: bad}, {1: bad}]
-  env = SyntheticEnv(cfg, None, tok, fmt, retriever, initial_states=initial_states_from(records), max_new_tokens=MAX_NEW,
-                     temperature=1.0, prompt_buckets=BUCKETS, key=jax.random.key(0))
-  env.sampler = ScriptedSampler(tok, lambda call, row: script[call][row], MAX_NEW)
+  env, _ = _scripted(cfg, tok, retriever, records, [answers[0], {0: answers[1][0], 1: bad}, {1: bad}, {1: bad}],
+                     fmt=fmt)
   env.reset_batch([r.task for r in records[:2]])
   return [env.step_batch([r.steps[j].action for r in records[:2]]) for j in (0, 1)], env
 
@@ -334,9 +332,7 @@ def test_prompts_follow_the_format_s_instructions_switch(cfg, tok, retriever, re
   """M_exp trained without the format's explanation (`ExpFormatConfig.instructions=False`) reads the same short
   system message in its episodes as in training."""
   fmt = dataclasses.replace(FMT, instructions=False)
-  env = SyntheticEnv(cfg, None, tok, fmt, retriever, initial_states=initial_states_from(records), max_new_tokens=MAX_NEW,
-                     temperature=1.0, prompt_buckets=BUCKETS, key=jax.random.key(0))
-  env.sampler = ScriptedSampler(tok, lambda call, row: _target(records, 0, 0), MAX_NEW)
+  env, _ = _scripted(cfg, tok, retriever, records, [{0: _target(records, 0, 0)}], fmt=fmt)
   r, step = records[0], records[0].steps[0]
   env.reset_batch([r.task], exclude_episodes=[r.episode_id])
   env.step_batch([step.action])
