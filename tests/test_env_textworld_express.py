@@ -3,6 +3,8 @@
 import json
 import os
 import random
+import re
+from collections import Counter
 
 import pytest
 
@@ -15,7 +17,8 @@ from dreamjax.envs.textworld_express import (
     state_fields,
     tasks,
 )
-from dreamjax.experience.format import action_edit_text, apply_action_edits, apply_state_changes, state_change_text
+from dreamjax.experience.format import (action_edit_text, apply_action_edits, apply_state_changes, list_items,
+                                       state_change_text)
 
 GAMES = ("cookingworld", "twc", "coin")
 
@@ -113,7 +116,11 @@ def test_every_real_transition_is_its_state_with_fields_changed(env, game):
       text = state_change_text(state, obs.state)  # raises where the changes do not rebuild the next state
       assert apply_state_changes(state, text) == (obs.state, "")
       edits = state_change_text(state, obs.state, list_edits=True)
-      assert apply_state_changes(state, edits) == (obs.state, "") and len(edits) <= len(text)
+      assert apply_state_changes(state, edits) == (obs.state, "")
+      edited_fields = Counter(re.match(r"(.+?) [-+~]= ", line).group(1) for line in edits.splitlines()
+                              if re.match(r".+? [-+~]= ", line))
+      after = state_fields(obs.state)
+      assert all(n <= len(list_items(after[name])) for name, n in edited_fields.items()), edits
       edited += edits != text
       state = obs.state
       if result.done:

@@ -163,12 +163,17 @@ def test_list_edits_write_only_the_items_that_change():
   assert state_change_text(PANTRY, TOOK, list_edits=True) == "You see -= flour\nInventory: flour\nFeedback: Hm."
   assert state_change_text(TOOK, TOOK2, list_edits=True) == "You see -= yellow onion\nInventory += yellow onion"
   assert state_change_text(TOOK2, PUT, list_edits=True) == "You see ~= shelf (flour)\nInventory -= flour"
-  # Commas (and colons) inside parentheses stay in their item; edits no shorter than the line give the line.
+  # Commas (and colons) inside parentheses stay in their item; edits naming more items than the line give the line,
+  # and the count, not the length, decides: "Inventory -= white coat" though "Inventory: beret" is shorter.
   assert state_change_text(STATE, NEXT, list_edits=True) == "You see ~= fridge (open: milk)\nFeedback: Ok."
   assert state_change_text("A: x (1, 2), y", "A: x (1, 2, 3), y", list_edits=True) == "A ~= x (1, 2, 3)"
   assert state_change_text("A: big table, chair, long bench, stool", "A: big table, long bench",
                            list_edits=True) == "A -= chair\nA -= stool"
-  assert state_change_text("A: p, q, r, s", "A: q, r", list_edits=True) == "A: q, r"
+  assert state_change_text("A: p, q, r, s", "A: q, r", list_edits=True) == "A -= p\nA -= s"
+  assert state_change_text("A: p, q, r, s", "A: q", list_edits=True) == "A: q"
+  assert state_change_text("Inventory: beret, white coat", "Inventory: beret", list_edits=True) \
+      == "Inventory -= white coat"
+  assert state_change_text("Inventory: nothing", "Inventory: flour", list_edits=True) == "Inventory: flour"
   for before, after in [(PANTRY, TOOK), (TOOK, TOOK2), (TOOK2, PUT), (PUT, PANTRY), (STATE, NEXT), (NEXT, STATE)]:
     text = state_change_text(before, after, list_edits=True)
     assert apply_state_changes(before, text) == (after, "")

@@ -52,7 +52,8 @@ needs the whole-state format.
 
 List edits (switch `ExpFormatConfig.list_edits`, with state changes): a changed field whose value is a comma list
 ("You see", "Inventory") still repeats the list's unchanged items, and a small model copies them as badly. With the
-switch on, such a field is written as item edits where they rebuild it exactly and are shorter than its line:
+switch on, such a field is written as item edits where they rebuild it exactly and name no more items than its
+line does (counted, not measured in characters, so that one action always gets the same edit):
 
   <next_state>
   You see ~= shelf (flour)
@@ -149,7 +150,7 @@ class ExpFormatConfig:
   # state by the parser (module docstring, "State changes"); for envs whose states are unique "Field: value" lines
   state_changes: bool = False
   # with state_changes: a changed comma-list field written as item edits ("Field -= item", "Field += item",
-  # "Field ~= item") where they rebuild it and are shorter (module docstring, "List edits")
+  # "Field ~= item") where they rebuild it and name no more items than it (module docstring, "List edits")
   list_edits: bool = False
   # with actions: the next state's admissible actions written as edits of the current list ("- action", "+ action",
   # "(no change)") where they rebuild it and are shorter (module docstring, "Action edits")
@@ -388,7 +389,10 @@ def apply_state_changes(state: str, changes: str) -> tuple[str, str]:
 
 
 def _list_edits(old_line: str, new_line: str) -> list[str]:
-  """A changed field's line as item edits where they rebuild it and are shorter, else the line itself."""
+  """A changed field's line as item edits where they rebuild it and name no more items than it, else the line.
+
+  Counting items rather than characters keeps one action's edit the same whatever else the list holds: putting one of
+  two items down is "Inventory -= <that item>", not "Inventory: <the other item>" when that happens to be shorter."""
   name = _field(new_line)
   old, new = list_items(old_line.partition(": ")[2]), list_items(new_line.partition(": ")[2])
   removed, added = list((Counter(old) - Counter(new)).elements()), list((Counter(new) - Counter(old)).elements())
@@ -403,13 +407,12 @@ def _list_edits(old_line: str, new_line: str) -> list[str]:
   edits = ([f"{name} ~= {i}" for i in replaced] + [f"{name} -= {i}" for i in removed]
            + [f"{name} += {i}" for i in appended])
   rebuilt, problem = apply_state_changes(old_line, "\n".join(edits))
-  return edits if edits and not problem and rebuilt == new_line and len("\n".join(edits)) < len(new_line) \
-      else [new_line]
+  return edits if edits and not problem and rebuilt == new_line and len(edits) <= len(new) else [new_line]
 
 
 def state_change_text(state: str, next_state: str, list_edits: bool = False) -> str:
   """The changes that turn `state` into `next_state` (the module docstring's format; with `list_edits`, changed
-  comma lists as item edits where shorter). Raises ValueError when no such text rebuilds `next_state` exactly."""
+  comma lists as item edits, "List edits"). Raises ValueError when no such text rebuilds `next_state` exactly."""
   before = {_field(line): line for line in state.splitlines()}
   after = [(_field(line), line) for line in next_state.splitlines()]
   kept = {name for name, _ in after}
