@@ -118,6 +118,10 @@ def test_grpo_in_the_experience_model_keeps_its_books(uninterrupted):
   assert all(m["exp_retries"] >= n * cfg.exp_retries for m, n in zip(metrics, unreadable))
   assert all(m["exp_parse_failures"] >= n * (cfg.exp_retries + 1) for m, n in zip(metrics, unreadable))
   failed = sum(m["exp_failures"] for m in metrics)
+  # ...and each is a row of exp_failures.jsonl: what M_exp was asked, what it wrote, and why that failed
+  logged = _rows(out / "exp_failures.jsonl")
+  assert [sum(r["iteration"] == m["step"] for r in logged) for m in metrics] == [m["exp_failures"] for m in metrics]
+  assert all(r["error"] and r["state"] and r["action"] and r["task_id"] and r["step"] >= 1 for r in logged)
   assert len(items) - len(synthetic) == offline and len(synthetic) == summary["synthetic_transitions"] - failed
   assert sorted({t.policy_version for t in synthetic}) == [0, 1, 2]
   assert summary["replay_size"] == len(items) == metrics[-1]["replay_size"]
@@ -161,12 +165,14 @@ def test_a_run_resumed_after_a_crash_equals_the_uninterrupted_run(parts, uninter
     buffer.append(list(buffer.iter_from(len(buffer) - 3)))  # what the killed iteration 3 wrote back
   with open(out / "metrics.jsonl", "a") as f:
     f.write(json.dumps({"step": 3, "loss": 123.0}) + "\n")
+  with open(out / "exp_failures.jsonl", "a") as f:
+    f.write(json.dumps({"iteration": 3, "error": "written by the killed iteration"}) + "\n")
   summary = run(_config(parts, out, rl=dict(iterations=3, checkpoint_every=1)))
   assert summary["resumed_from"] == 2 and summary["synthetic_transitions"] == full["synthetic_transitions"]
   _, a = load_hf_checkpoint(summary["checkpoint"])
   _, b = load_hf_checkpoint(full["checkpoint"])
   assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-  for name in ("metrics.jsonl", "evals.jsonl"):
+  for name in ("metrics.jsonl", "evals.jsonl", "exp_failures.jsonl"):
     assert _rows(out / name) == _rows(Path(full_cfg.out_dir) / name), name
   with ReplayBuffer(out / "replay", read_only=True) as x, \
       ReplayBuffer(Path(full_cfg.out_dir) / "replay", read_only=True) as y:

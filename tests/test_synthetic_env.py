@@ -309,6 +309,11 @@ def test_a_row_that_never_parses_ends_as_an_env_failure(cfg, tok, retriever, rec
   assert not env_failed(results[1]) and not results[1].done
   s = env.stats
   assert (s["parse_failures"], s["exp_retries"], s["exp_failures"]) == (3, 2, 1)
+  assert env.failures == [{"task_id": records[0].task.task_id, "step": 1, "state": records[0].steps[0].state,
+                           "action": records[0].steps[0].action, "output": "no tags at all",
+                           "error": "missing <think>", "attempts": 3}]
+  env.reset_stats()
+  assert env.failures == []
   # no retries: with exp_retries=0, or at temperature 0 (greedy decoding would write the same answer again)
   for kw in ({"exp_retries": 0}, {"temperature": 0.0}):
     env = _env(cfg, None, tok, retriever, records, **({"temperature": 1.0} | kw))

@@ -38,7 +38,8 @@ compared every iteration) and `dreamjax.loop.run`.
 Seed tasks are the offline data's tasks (their first recorded state starts the synthetic episode); none may be a
 held-out evaluation task. Outputs in `out_dir`: those of the real-env loop (config.json, metrics.jsonl, evals.jsonl,
 summary.json, learning_curve.svg, final/) plus replay/ (the buffer with the offline seed and the written-back
-episodes) and task_pool.json (the final curriculum).
+episodes), task_pool.json (the final curriculum) and exp_failures.jsonl (each M_exp step that failed after its
+retries: the iteration, task, step, state, action, M_exp's last answer and its error).
 
 Run: `dreamjax dreamgym --config configs/dreamgym_twx.py[:tiny] [--set key=value ...]`.
 """
@@ -150,7 +151,7 @@ def _run(cfg: DreamGymConfig) -> dict[str, Any]:
     try:
       folder, model_cfg, params, tok = load_policy(rl, run.out, run.resume is not None, real, seeds, mesh)
       hook = DreamGymHook(synthetic, curriculum, buffer, marks, retriever if retrieve else None, tok,
-                          write_back=cfg.replay)
+                          write_back=cfg.replay, failures_path=run.out / "exp_failures.jsonl", resume=run.resume)
       return run_iterations(run, PolicyLearner(rl, model_cfg, params, tok, mesh), curriculum, synthetic,
                             eval_env=real, eval_tasks=eval_pool, model_folder=folder, hooks=[hook])
     finally:

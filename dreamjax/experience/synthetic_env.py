@@ -18,7 +18,8 @@ Retry, then mask. A malformed output is resampled: the row's answer is drawn aga
 in the retry call, which has the first call's shapes, so it compiles nothing new); `stats["parse_failures"]` counts
 every attempt that did not parse and `stats["exp_retries"]` every resample. A row still malformed after its retries
 ends its episode as an env failure (dreamjax.envs.base.ENV_ERROR, a message starting "experience model:", plus
-`info["exp_error"]`; `stats["exp_failures"]`): the simulator failed, not the agent, so RL leaves the episode out of
+`info["exp_error"]`; `stats["exp_failures"]`, and `failures` keeps the prompt's state, the action, the last answer
+and its error): the simulator failed, not the agent, so RL leaves the episode out of
 the advantages and the update, the curriculum and write-back ignore it, and it is counted apart. Retries come first
 because leaving failed episodes out selects: whether M_exp's answer parses depends on the policy's action, so
 excluding every such episode conditions the update on M_exp succeeding. Measured on `make demo` when every malformed
@@ -213,6 +214,10 @@ class SyntheticEnv:
     self._stats: dict[str, float] = dict.fromkeys(_STAT_KEYS, 0)
     self._digest = hashlib.sha256()
     self.last_prompts: list[np.ndarray | None] = []  # the ids each row was prompted with in the last step_batch
+    # The M_exp failures since construction or `reset_stats`, one dict per failed step: what it was asked (task,
+    # step, state, action), what it last wrote and why that failed. The DreamGym loop writes them to the run folder,
+    # since the counters alone cannot tell a format the model has not learned from a state it cannot continue.
+    self.failures: list[dict[str, Any]] = []
 
   # --- reset -----------------------------------------------------------------------------------------------------------
 
@@ -391,6 +396,9 @@ class SyntheticEnv:
       row.state, row.admissible = pred.next_state, pred.admissible
       if not pred.ok:  # the simulator failed, after its retries: an env failure (dreamjax.envs.base.env_failure)
         stats["exp_failures"] += 1
+        self.failures.append({"task_id": row.task.task_id, "step": len(row.history), "state": row.history[-1][0],
+                              "action": action, "output": texts.get(i, ""), "error": pred.error,
+                              "attempts": attempts[i]})
         info |= {ENV_ERROR: ERROR_PREFIX + pred.error, "exp_error": pred.error}
         row.last = StepResult(Observation(pred.next_state, row.instruction, ()), 0.0, True, False, False, info)
       else:
@@ -422,6 +430,7 @@ class SyntheticEnv:
   def reset_stats(self) -> None:
     self._stats = dict.fromkeys(_STAT_KEYS, 0)
     self._digest = hashlib.sha256()
+    self.failures = []
 
   def digest(self) -> np.ndarray:
     """uint8 [32]: SHA-256 of every stepped row's retrieved transitions ("episode_id:step") and prompt ids, in step

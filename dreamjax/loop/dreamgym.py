@@ -2,7 +2,7 @@
 (`synthetic_env`), where the policy and M_exp run (`PlacementConfig`, `make_meshes`), the seed tasks from offline
 data, and `DreamGymHook`, the after-iteration work: replay write-back (the episodes' parsed steps join the durable
 buffer and the retrieval index, so later M_exp steps can be grounded on them), the curriculum's update and M_task's
-generation, and M_exp's statistics.
+generation, M_exp's statistics, and its failures (exp_failures.jsonl).
 
 Several processes: the replay buffer has one writer, process 0; after a barrier the others refresh a read-only view,
 and every process adds the new transitions to its own retrieval index from the buffer, so all indexes hold the same
@@ -29,6 +29,7 @@ from dreamjax.experience.synthetic_env import SyntheticEnv
 from dreamjax.loop.evaluate import unparsed_rows
 from dreamjax.loop.learner import RLConfig
 from dreamjax.loop.run import Hook
+from dreamjax.loop.track import json_dumps, truncate_jsonl
 from dreamjax.parallel import MeshConfig, barrier, check_same, is_primary, make_mesh, spans_every_process
 from dreamjax.replay.buffer import ReplayBuffer
 from dreamjax.replay.write_back import write_back_transitions
@@ -94,12 +95,17 @@ def seed_records(offline_data: Sequence[str], seed_tasks: int, tasks_per_iterati
 class DreamGymHook(Hook):
   """After each iteration: write the episodes back to the replay buffer and index (with `write_back`), update the
   curriculum (and let M_task generate); its checkpoint share is the curriculum's state, the task pool, M_task's
-  counters and the buffer's marks."""
+  counters and the buffer's marks. Each M_exp failure (SyntheticEnv.failures) is a row of `failures_path`
+  (exp_failures.jsonl in the run folder, tagged with its iteration): on resume, the rows of iterations after the
+  checkpoint are dropped, since those iterations run again."""
 
   def __init__(self, synthetic: SyntheticEnv, curriculum: CurriculumTasks, buffer: ReplayBuffer, marks: list[int],
-               retriever, tokenizer: Tokenizer, write_back: bool):
+               retriever, tokenizer: Tokenizer, write_back: bool, failures_path: Path, resume: int | None):
     self.synthetic, self.curriculum, self.buffer, self.marks = synthetic, curriculum, buffer, marks
     self.retriever, self.tokenizer, self.write_back = retriever, tokenizer, write_back
+    self.failures_path = failures_path if is_primary() else None  # the one writer of the run folder
+    if self.failures_path is not None:
+      truncate_jsonl(failures_path, lambda row: resume is not None and row["iteration"] <= resume)
 
   def before_iteration(self, iteration: int) -> None:
     self.synthetic.start_iteration(iteration)
@@ -118,6 +124,9 @@ class DreamGymHook(Hook):
     check_same(f"the curriculum draw, M_exp's retrievals and the replay buffer of iteration {iteration + 1}",
                slots, self.synthetic.digest(), np.asarray([len(self.buffer)], np.int64))
     out = self.curriculum.update(slots, outcome_rewards(traj), iteration, ~traj.env_error)
+    if self.failures_path is not None:
+      with open(self.failures_path, "a", encoding="utf-8") as f:
+        f.writelines(json_dumps({"iteration": iteration + 1, **row}) + "\n" for row in self.synthetic.failures)
     s = self.synthetic.stats
     # exp_failures: M_exp steps unreadable after their retries (or whose prompt overflowed), which end their episode
     # as env failures: counted in env_errors too, and left out of the update and of write-back.
