@@ -10,6 +10,13 @@ about the dynamics would say):
   the predicted admissible actions shown as the current ones, as SyntheticEnv does); step h is compared with the real
   state after h actions. Copy baseline: the first state forever.
 
+A third protocol audits a DreamGym run rather than a held-out set:
+- **On policy** (`on_policy`): the synthetic episodes the policy played in M_exp (the replay buffer's write-back)
+  have their actions replayed in the real env from the same task's reset. Step h compares M_exp's state after h
+  actions with the real one, as open loop does, but along the policy's actions, which is what the update learns
+  from; and each episode M_exp ended is compared with what the real env did on the same actions (success
+  precision: of the episodes M_exp called successes, the share the real env calls successes).
+
 Metrics (`score`): next-state exact match (on TextWorld-Express also apart on the transitions whose next state the
 prompt determines and on those that reveal a room it does not show, `reveal_mask`) and whitespace-token F1;
 accuracy, precision and recall of the reward (positive: reward 1), success, done and invalid flags (precision is None
@@ -38,7 +45,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -46,6 +53,7 @@ import numpy as np
 
 from dreamjax.parallel.distributed import to_host
 from dreamjax.data.records import TrajectoryRecord, Transition, transitions
+from dreamjax.envs.base import ENV_ERROR, Env, env_failed
 from dreamjax.envs.twx_explorer import reveals
 from dreamjax.experience.annotate import Annotation
 from dreamjax.experience.format import ExpFormatConfig, ExpPrediction, action_lists, parse_output, transition_target
@@ -358,3 +366,68 @@ def open_loop(predictor: Predictor, records: Sequence[TrajectoryRecord], annotat
     result[name] = m
   return result
 
+
+
+# --- on policy -------------------------------------------------------------------------------------------------------
+
+
+def synthetic_episodes(items: Iterable[Transition]) -> list[list[Transition]]:
+  """The synthetic transitions among `items` (a DreamGym replay buffer's write-back) grouped into their episodes, in
+  step order. Write-back keeps every step M_exp answered, so an episode's steps are 0..n-1: anything else is an error
+  naming the episode. An episode's last step is missing only where M_exp failed on it (an env failure)."""
+  episodes: dict[str, list[Transition]] = {}
+  for t in items:
+    if t.origin == "synthetic":
+      episodes.setdefault(t.episode_id, []).append(t)
+  for eid, steps in episodes.items():
+    steps.sort(key=lambda t: t.step)
+    if [t.step for t in steps] != list(range(len(steps))):
+      raise ValueError(f"synthetic episode {eid!r}: steps {[t.step for t in steps]} are not 0..{len(steps) - 1}")
+  return list(episodes.values())
+
+
+def on_policy(env: Env, episodes: Sequence[Sequence[Transition]]) -> dict[str, Any]:
+  """The on-policy audit (module docstring) of synthetic `episodes` (`synthetic_episodes`) in the real `env`.
+
+  Episodes of curriculum-generated tasks (params "generated_from") are skipped and counted: their instruction is not
+  the game's goal, so the real env's reward measures something else. A real episode that ends before M_exp's
+  (done earlier) is compared up to its end. Returns `score`'s metrics over the replayed steps (the copy baseline is
+  not given: the steps are the policy's, not recorded ones), "exact_by_step", and the episode outcomes:
+  "episodes", "skipped_generated", "ended_by_m_exp" (M_exp said done), "m_exp_success" and "real_success" (rates over
+  the episodes M_exp ended, the real env's after the same actions), "success_precision" and "success_recall" over
+  those, and "real_ended_first" (the real env said done before M_exp's last step)."""
+  truths, preds, by_episode = [], [], []
+  skipped = ended = real_first = 0
+  outcomes = []  # (M_exp success, real success) of each episode M_exp ended
+  for steps in episodes:
+    if steps[0].task.param.get("generated_from") is not None:
+      skipped += 1
+      continue
+    obs = env.reset(steps[0].task)
+    real_success, pairs = False, []
+    for t in steps:
+      r = env.step(t.action)
+      if env_failed(r):
+        raise RuntimeError(f"on_policy: the real env failed on {t.episode_id}:{t.step}: {r.info[ENV_ERROR]}")
+      pairs.append((Transition(t.episode_id, t.step, t.task, t.instruction, obs.state, t.action,
+                               r.observation.state, r.reward, r.done, r.success, r.invalid),
+                    ExpPrediction(t.next_state, t.reward, t.done, t.success, "", True, "", t.invalid)))
+      obs, real_success = r.observation, real_success or r.success
+      if r.done:
+        real_first += t is not steps[-1]
+        break
+    truths += [x for x, _ in pairs]
+    preds += [p for _, p in pairs]
+    by_episode.append(pairs)
+    if steps[-1].done:
+      ended += 1
+      outcomes.append((steps[-1].success, real_success))
+  out = score(truths, preds)
+  out["exact_by_step"] = _horizon_curve([[x for x, _ in e] for e in by_episode], [[p for _, p in e] for e in by_episode],
+                                        max((len(e) for e in by_episode), default=0))
+  said, real = np.array([o[0] for o in outcomes], bool), np.array([o[1] for o in outcomes], bool)
+  out |= {"episodes": len(by_episode), "skipped_generated": skipped, "ended_by_m_exp": ended,
+          "m_exp_success": float(said.mean()) if ended else None, "real_success": float(real.mean()) if ended else None,
+          "success_precision": _rate(int(np.sum(said & real)), int(np.sum(said))),
+          "success_recall": _rate(int(np.sum(said & real)), int(np.sum(real))), "real_ended_first": real_first}
+  return out
