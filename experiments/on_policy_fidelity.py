@@ -28,7 +28,8 @@ from dreamjax.replay.buffer import ReplayBuffer
 COLUMNS = [("episodes", "episodes"), ("ended_by_m_exp", "ended by M_exp"), ("m_exp_success", "M_exp success"),
            ("real_success", "real success, same actions"), ("success_precision", "success P"),
            ("success_recall", "success R"), ("n", "steps"), ("exact_match", "EM"), ("reward_precision", "reward P"),
-           ("reward_recall", "reward R"), ("done_acc", "done acc"), ("eps_R_mean", "eps_R mean"),
+           ("reward_recall", "reward R"), ("done_acc", "done acc"), ("real_invalid", "real invalid"),
+           ("invalid_recall", "invalid R"), ("eps_R_mean", "eps_R mean"),
            ("real_ended_first", "real ended first")]
 
 

@@ -47,7 +47,7 @@ def test_a_faithful_episode_scores_exactly(env, games):
   m = on_policy(env, [episode])
   assert (m["episodes"], m["ended_by_m_exp"], m["n"], m["exact_match"]) == (1, 1, len(episode), 1.0)
   assert (m["m_exp_success"], m["real_success"], m["success_precision"], m["success_recall"]) == (1.0, 1.0, 1.0, 1.0)
-  assert (m["reward_precision"], m["eps_R_mean"], m["real_ended_first"]) == (1.0, 0.0, 0)
+  assert (m["reward_precision"], m["eps_R_mean"], m["real_ended_first"], m["real_invalid"]) == (1.0, 0.0, 0, 0.0)
   assert m["exact_by_step"] == [1.0] * len(episode)
 
 
@@ -65,6 +65,16 @@ def test_a_success_m_exp_granted_too_early_is_caught(env, games):
   assert m["reward_precision"] == 0.5 and m["reward_recall"] == 1.0 and m["eps_R_mean"] == 1 / m["n"]
   assert m["exact_by_step"][1] == 0.5 and m["exact_by_step"][0] == 1.0
   assert m["exact_count"] == m["n"] - 1
+
+
+def test_an_action_the_game_refuses_counts_against_m_exp(env, games):
+  """M_exp listed and accepted "take teapot", which names nothing in the game: the real env refuses it."""
+  first = _gold(env, games[0])[0]
+  accepted = dataclasses.replace(first, action="take teapot", next_state=first.state + "\nInventory: teapot")
+  m = on_policy(env, [[accepted]])
+  assert (m["n"], m["real_invalid"], m["invalid_recall"], m["exact_match"], m["ended_by_m_exp"]) == (1, 1.0, 0.0,
+                                                                                                        0.0, 0)
+  assert m["m_exp_success"] is None and m["success_precision"] is None
 
 
 def test_steps_after_the_real_end_and_generated_tasks(env, games):

@@ -392,7 +392,8 @@ def on_policy(env: Env, episodes: Sequence[Sequence[Transition]]) -> dict[str, A
   Episodes of curriculum-generated tasks (params "generated_from") are skipped and counted: their instruction is not
   the game's goal, so the real env's reward measures something else. A real episode that ends before M_exp's
   (done earlier) is compared up to its end. Returns `score`'s metrics over the replayed steps (the copy baseline is
-  not given: the steps are the policy's, not recorded ones), "exact_by_step", and the episode outcomes:
+  not given: the steps are the policy's, not recorded ones), "exact_by_step", "real_invalid" (the share of the
+  policy's actions the real env refused: M_exp offered or accepted them), and the episode outcomes:
   "episodes", "skipped_generated", "ended_by_m_exp" (M_exp said done), "m_exp_success" and "real_success" (rates over
   the episodes M_exp ended, the real env's after the same actions), "success_precision" and "success_recall" over
   those, and "real_ended_first" (the real env said done before M_exp's last step)."""
@@ -423,6 +424,7 @@ def on_policy(env: Env, episodes: Sequence[Sequence[Transition]]) -> dict[str, A
       ended += 1
       outcomes.append((steps[-1].success, real_success))
   out = score(truths, preds)
+  out["real_invalid"] = float(np.mean([t.invalid for t in truths])) if truths else None
   out["exact_by_step"] = _horizon_curve([[x for x, _ in e] for e in by_episode], [[p for _, p in e] for e in by_episode],
                                         max((len(e) for e in by_episode), default=0))
   said, real = np.array([o[0] for o in outcomes], bool), np.array([o[1] for o in outcomes], bool)
