@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dreamjax.data.collect import CollectConfig, collect, parse_policies, plan_episodes
+from dreamjax.data.collect import CollectConfig, collect, parse_policies, parse_policy, plan_episodes
 from dreamjax.data.jsonl import JsonlWriter, PartialRecordWarning, read_jsonl
 from dreamjax.data.records import (StepRecord, TrajectoryRecord, read_trajectories, read_trajectory_files,
                                    transitions)
@@ -156,7 +156,9 @@ def test_transitions_view():
 
 def test_policies_and_plan_errors():
   assert parse_policies(["expert:3", "eps0.25:2"]) == [("expert", 3), ("eps0.25", 2)]
-  for bad, message in [("greedy:2", "unknown policy"), ("eps1.5:2", "unknown policy"), ("expert", "policy:episodes")]:
+  assert parse_policies(["stale0.3:4"]) == [("stale0.3", 4)] and parse_policy("stale0.3") == ("stale", 0.3)
+  for bad, message in [("greedy:2", "unknown policy"), ("eps1.5:2", "unknown policy"), ("expert", "policy:episodes"),
+                       ("stale:2", "unknown policy"), ("explorer-stale0.3:2", "unknown policy")]:
     with pytest.raises(ValueError, match=message):
       parse_policies([bad])
 
@@ -239,6 +241,29 @@ def test_collect_in_process(tmp_path):
   # Records come in the order episodes end; twc gold paths are unseeded in TWX (see its env module), so either may.
   assert sorted(r.episode_id for r in records) == ["expert:twc/train/0", "expert:twc/train/1"]
   assert all(r.success for r in records) and summary["policies"]["expert"]["success_rate"] == 1.0
+
+
+def test_stale_actions_are_ones_the_episode_was_offered_before_and_the_env_refuses(tmp_path):
+  """stale<p>: the only collector whose data holds refused actions, each one an earlier state of the episode listed."""
+  pytest.importorskip("textworld_express")
+  cfg = _config(tmp_path, env_kwargs=("step_limit=8",), num_workers=0, rows_per_worker=4, games=("twc",),
+                policies=("stale0.5:4",), build_tfds=False)
+  collect(cfg)
+  records = read_trajectories(tmp_path / "trajectories.jsonl")
+  assert len(records) == 4 and {s.source for r in records for s in r.steps} == {"random", "stale"}
+  for r in records:
+    for j, s in enumerate(r.steps):
+      offered = {a for earlier in r.steps[:j] for a in earlier.admissible}
+      if s.source == "stale":
+        assert s.invalid and s.action not in s.admissible and s.action in offered and not s.success
+      else:
+        assert not s.invalid and s.action in s.admissible
+  again = tmp_path / "again"
+  collect(dataclasses.replace(cfg, out_dir=str(again)))  # an episode's choices depend on its seed alone
+  def actions(rs):
+    return sorted((r.episode_id, [s.action for s in r.steps]) for r in rs)
+
+  assert actions(read_trajectories(again / "trajectories.jsonl")) == actions(records)
 
 
 class _Interrupted(RuntimeError):

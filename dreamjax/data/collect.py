@@ -10,7 +10,12 @@ Policies (by name):
   state, the admissible actions, the episode's own history; never the gold path), run here in the collector's process
   on what the batch env returns; where it has no action, random stands in ("fallback"). Step source "explorer".
 - "explorer-eps<p>" (e.g. "explorer-eps0.3"): random with probability p, else the explorer.
-`parse_policy` reads a name as (base policy, p): every policy is "random with probability p, else the base".
+- "stale<p>" (e.g. "stale0.3"): with probability p an action an earlier observation of the episode admitted and the
+  current one does not (step source "stale"; the env refuses it: an invalid step), where there is one; else random.
+  Every other collector acts from the current admissible list, so without it the data holds no refused action, and
+  an experience model trained on it accepts whatever it is given: the actions an agent acting from a wrong list
+  picks ("take flour" once the flour is held, "put flour in shelf" once it is put) are exactly these.
+`parse_policy` reads a name as (base policy, p): every other policy is "random with probability p, else the base".
 Each episode draws from its own `random.Random(seed)`, the seed a hash of (config seed, episode id), so an episode's
 choices do not depend on the batch it ran in, the number of workers, or on resuming. (Whether the env itself is
 deterministic is the env's business: TWX's coin and twc gold paths are not.)
@@ -94,21 +99,26 @@ EXPLORER_ENVS = ("textworld_express",)  # envs whose observations the explorer r
 
 def parse_policy(name: str) -> tuple[str, float]:
   """(base policy, probability of a random action): expert ("expert", 0), random ("random", 1), eps<p> ("expert", p),
-  explorer ("explorer", 0), explorer-eps<p> ("explorer", p)."""
+  explorer ("explorer", 0), explorer-eps<p> ("explorer", p); and stale<p> ("stale", p: the probability of a stale
+  action)."""
   if name in POLICY_BASES:
     return name, 0.0
   if name == "random":
     return "random", 1.0
-  base, noise = ("explorer", name[len("explorer-"):]) if name.startswith("explorer-") else ("expert", name)
-  if noise.startswith("eps"):
-    try:
-      p = float(noise[3:])
-    except ValueError:
-      p = -1.0
-    if 0.0 <= p <= 1.0:
-      return base, p
-  raise ValueError(f"unknown policy {name!r}: expected 'expert', 'random', 'eps<p>', 'explorer' or 'explorer-eps<p>'"
-                   " with 0 <= p <= 1")
+  if name.startswith("stale"):
+    base, noise = "stale", name[len("stale"):]
+  elif name.startswith("explorer-eps"):
+    base, noise = "explorer", name[len("explorer-eps"):]
+  else:
+    base, noise = "expert", name[len("eps"):] if name.startswith("eps") else ""
+  try:
+    p = float(noise)
+  except ValueError:
+    p = -1.0
+  if 0.0 <= p <= 1.0:
+    return base, p
+  raise ValueError(f"unknown policy {name!r}: expected 'expert', 'random', 'eps<p>', 'explorer', 'explorer-eps<p>' "
+                   "or 'stale<p>' with 0 <= p <= 1")
 
 
 def parse_policies(items: Sequence[str]) -> list[tuple[str, int]]:
@@ -162,11 +172,14 @@ def run_episodes(batch, episodes: Sequence[Episode],
   rngs = [random.Random(e.seed) for e in episodes]
   base, eps = zip(*(parse_policy(e.policy) for e in episodes)) if episodes else ((), ())
   steps: list[list[StepRecord]] = [[] for _ in episodes]
-  history: list[list[tuple[Observation, str]]] = [[] for _ in episodes]  # what the explorer reads: its own episode
+  # what the explorer reads, and where a stale action comes from: the row's own episode so far
+  history: list[list[tuple[Observation, str]]] = [[] for _ in episodes]
   live = [True] * n
   score: list[Any] = [None] * n
   while any(live):
-    use_random = [live[i] and (eps[i] >= 1.0 or (eps[i] > 0.0 and rngs[i].random() < eps[i])) for i in range(n)]
+    # (a stale row is always "random" here: whether this step is stale it draws below, from its own generator)
+    use_random = [live[i] and (base[i] == "stale" or eps[i] >= 1.0 or (eps[i] > 0.0 and rngs[i].random() < eps[i]))
+                  for i in range(n)]
     guided = [i for i in range(n) if live[i] and not use_random[i]]
     experts = _expert_actions(batch, [i for i in guided if base[i] == "expert"])
     experts.update({i: _EXPLORER.act(obs[i], history[i]) for i in guided if base[i] == "explorer"})
@@ -175,8 +188,12 @@ def run_episodes(batch, episodes: Sequence[Episode],
     for i in range(n):
       if not live[i]:
         continue
+      stale = sorted({a for o, _ in history[i] for a in o.admissible} - set(obs[i].admissible)) \
+          if base[i] == "stale" else []
       if not use_random[i] and experts[i] is not None:
         actions[i], sources[i] = experts[i], base[i]
+      elif stale and rngs[i].random() < eps[i]:
+        actions[i], sources[i] = rngs[i].choice(stale), "stale"
       else:
         # No admissible list (or a row the pool already ended): "" is an invalid action the env records as such.
         # Admissible entries may be templates with a free-text slot (web forms: fill('15', <text>)).

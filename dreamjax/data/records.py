@@ -6,10 +6,11 @@ JSON form (one object per JSONL line; keys sorted on write):
    "success": true, "num_steps": 7, "score": 1.0 | null,
    "steps": [{"state": "...", "action": "...", "next_state": "...", "reward": 0.0, "done": false, "success": false,
               "invalid": false, "admissible": ["...", ...],
-              "source": "expert" | "explorer" | "random" | "fallback" | "policy"}, ...]}
+              "source": "expert" | "explorer" | "random" | "fallback" | "stale" | "policy"}, ...]}
 `admissible` lists the actions admissible in `state` (before the action). `source` says who picked the action:
 the env's expert, the observation-only TWX explorer ("explorer", dreamjax.envs.twx_explorer), the random policy, the
-random policy standing in because the expert or explorer had no action ("fallback"), or the learning agent ("policy",
+random policy standing in because the expert or explorer had no action ("fallback"), an action an earlier state of
+the episode admitted and this one does not ("stale", dreamjax.data.collect), or the learning agent ("policy",
 episodes recorded by the rollout engine).
 `score` is the env's own score at the end (info["score"]) when the adapter reports one.
 
@@ -39,7 +40,7 @@ from dreamjax.data.jsonl import read_jsonl
 from dreamjax.envs.base import Task
 
 FORMAT = "dreamjax.trajectory.v1"
-ACTION_SOURCES = ("expert", "explorer", "random", "fallback", "policy")  # who picked a step's action
+ACTION_SOURCES = ("expert", "explorer", "random", "fallback", "stale", "policy")  # who picked a step's action
 ORIGINS = ("offline", "synthetic", "real_online")  # where a transition came from: offline data, M_exp, a real env
 
 
@@ -53,7 +54,7 @@ class StepRecord:
   success: bool
   invalid: bool
   admissible: tuple[str, ...]  # admissible in `state`
-  source: str  # "expert" | "explorer" | "random" | "fallback" | "policy"
+  source: str  # "expert" | "explorer" | "random" | "fallback" | "stale" | "policy"
 
   def to_json(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)
