@@ -59,7 +59,10 @@ def config() -> ReproduceConfig:
       cfg,
       # The gold path first: SFT's budget reads the first 4000 transitions of the file, in this order, and so takes
       # all 600 of its episodes (3407 steps).
-      collect=dataclasses.replace(cfg.collect, policies=("expert:600", "eps0.3:300", "random:200"),
+      # stale0.3: random play that now and then repeats an action an earlier state offered, which the game refuses.
+      # The other collectors act from the current list only, so without it M_exp never sees a refused action and
+      # accepts every one a policy takes in its episodes (15% of them, experiments/RESULTS.md, fourteenth stop).
+      collect=dataclasses.replace(cfg.collect, policies=("expert:600", "eps0.3:300", "random:200", "stale0.3:300"),
                                   max_steps=STEP_LIMIT),
       # 400 steps: with restricted answers it scores 0.60 greedy, inside the 0.20-0.50 band sampled (0.38), and leaves
       # RL room; at 800 steps it scores 0.765 greedy and 0.675 sampled.
@@ -84,4 +87,5 @@ def config() -> ReproduceConfig:
 def tiny() -> ReproduceConfig:
   """Every stage of `config()` at test size: it checks that the testbed's stages fit together, not what they
   measure."""
-  return at_test_size(config(), policies=("expert:16", "eps0.3:8", "random:8"), out_dir="runs/reproduce/twc_tiny")
+  return at_test_size(config(), policies=("expert:16", "eps0.3:8", "random:8", "stale0.3:8"),
+                      out_dir="runs/reproduce/twc_tiny")

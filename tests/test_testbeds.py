@@ -70,6 +70,9 @@ def test_twc_trains_and_scores_on_disjoint_games_of_one_fold(variant):
   # The gold path leads the file, so the SFT budget (whole episodes in file order) holds all of it, and SFT clones it.
   assert cfg.collect.policies[0].startswith("expert:") and cfg.sft.rows.step_sources == ("expert",)
   assert cfg.dpo.pairs.chosen_policies == ("expert",)
+  # M_exp sees refused actions (the stale collector's); the policy stages never learn from them.
+  stale = [p.split(":")[0] for p in cfg.collect.policies if p.startswith("stale")]
+  assert stale and not set(stale) & set(cfg.dpo.pairs.rejected_policies + cfg.sft.rows.experts)
   assert cfg.exp.format.reasoning and cfg.dreamgym.reasoning and "no_reasoning" in cfg.ablations
   b = cfg.budgets
   assert (b.dpo, b.real_rl, b.s2r * 16) == (2 * b.sft, 4 * b.sft, b.real_rl)
