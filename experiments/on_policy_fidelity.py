@@ -22,7 +22,7 @@ from typing import Any
 
 from dreamjax.envs import make_env
 from dreamjax.envs.registry import parse_env_kwargs
-from dreamjax.experience.fidelity import on_policy, synthetic_episodes
+from dreamjax.experience.fidelity import on_policy, replay_in_env, synthetic_episodes
 from dreamjax.replay.buffer import ReplayBuffer
 
 COLUMNS = [("episodes", "episodes"), ("ended_by_m_exp", "ended by M_exp"), ("m_exp_success", "M_exp success"),
@@ -42,12 +42,13 @@ def audit(run: Path) -> dict[str, dict[str, Any]]:
     raise ValueError(f"{run / 'replay'}: no synthetic episodes (has an iteration finished?)")
   env = make_env(cfg["rl"]["env"], **parse_env_kwargs(cfg["rl"]["env_kwargs"]))
   try:
-    versions = sorted({e[0].policy_version for e in episodes})
-    results = {f"iteration {v + 1}": on_policy(env, [e for e in episodes if e[0].policy_version == v])
-               for v in versions}
-    results["all"] = on_policy(env, episodes)
+    replays = replay_in_env(env, episodes)  # once: each iteration's rows and "all" score the same replays
   finally:
     env.close()
+  versions = [e[0].policy_version for e in episodes]
+  results = {f"iteration {v + 1}": on_policy([r for r, w in zip(replays, versions) if w == v])
+             for v in sorted(set(versions))}
+  results["all"] = on_policy(replays)
   return results
 
 

@@ -9,7 +9,7 @@ import pytest
 from dreamjax.data.records import Transition
 from dreamjax.envs.base import Task
 from dreamjax.envs.textworld_express import TextWorldExpressEnv, tasks
-from dreamjax.experience.fidelity import on_policy, synthetic_episodes
+from dreamjax.experience.fidelity import on_policy, replay_in_env, synthetic_episodes
 from dreamjax.replay.buffer import ReplayBuffer
 from experiments import on_policy_fidelity
 
@@ -44,7 +44,7 @@ def _gold(env, task: Task, tag: str = "a", version: int = 0) -> list[Transition]
 def test_a_faithful_episode_scores_exactly(env, games):
   episode = _gold(env, games[0])
   assert [t.action.split()[0] for t in episode][-2:] == ["put", "put"] and episode[-1].success
-  m = on_policy(env, [episode])
+  m = on_policy(replay_in_env(env, [episode]))
   assert (m["episodes"], m["ended_by_m_exp"], m["n"], m["exact_match"]) == (1, 1, len(episode), 1.0)
   assert (m["m_exp_success"], m["real_success"], m["success_precision"], m["success_recall"]) == (1.0, 1.0, 1.0, 1.0)
   assert (m["reward_precision"], m["eps_R_mean"], m["real_ended_first"], m["real_invalid"]) == (1.0, 0.0, 0, 0.0)
@@ -59,7 +59,7 @@ def test_a_success_m_exp_granted_too_early_is_caught(env, games):
   early = gold[:first_put] + [dataclasses.replace(gold[first_put], reward=1.0, done=True, success=True)]
   wrong_state = [dataclasses.replace(t, next_state=t.next_state + "\nBogus: line") if t.step == 1 else t
                  for t in _gold(env, games[1], "b")]
-  m = on_policy(env, [early, wrong_state])
+  m = on_policy(replay_in_env(env, [early, wrong_state]))
   assert (m["episodes"], m["ended_by_m_exp"], m["m_exp_success"], m["real_success"]) == (2, 2, 1.0, 0.5)
   assert (m["success_precision"], m["success_recall"]) == (0.5, 1.0)
   assert m["reward_precision"] == 0.5 and m["reward_recall"] == 1.0 and m["eps_R_mean"] == 1 / m["n"]
@@ -71,7 +71,7 @@ def test_an_action_the_game_refuses_counts_against_m_exp(env, games):
   """M_exp listed and accepted "take teapot", which names nothing in the game: the real env refuses it."""
   first = _gold(env, games[0])[0]
   accepted = dataclasses.replace(first, action="take teapot", next_state=first.state + "\nInventory: teapot")
-  m = on_policy(env, [[accepted]])
+  m = on_policy(replay_in_env(env, [[accepted]]))
   assert (m["n"], m["real_invalid"], m["invalid_recall"], m["exact_match"], m["ended_by_m_exp"]) == (1, 1.0, 0.0,
                                                                                                         0.0, 0)
   assert m["m_exp_success"] is None and m["success_precision"] is None
@@ -84,7 +84,7 @@ def test_steps_after_the_real_end_and_generated_tasks(env, games):
   variant = Task.make("textworld_express", games[1].task_id + "/v1", "Put away the flour.",
                       **games[1].param, generated_from=games[1].task_id)
   generated = [dataclasses.replace(t, task=variant) for t in _gold(env, games[1], "g")]
-  m = on_policy(env, [longer, generated])
+  m = on_policy(replay_in_env(env, [longer, generated]))
   assert (m["episodes"], m["skipped_generated"], m["real_ended_first"], m["n"]) == (1, 1, 1, len(gold))
   assert (m["m_exp_success"], m["real_success"]) == (0.0, 1.0)  # M_exp's last step said failure; the game had won
   assert m["success_precision"] is None and m["success_recall"] == 0.0

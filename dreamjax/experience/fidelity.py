@@ -11,7 +11,7 @@ about the dynamics would say):
   state after h actions. Copy baseline: the first state forever.
 
 A third protocol audits a DreamGym run rather than a held-out set:
-- **On policy** (`on_policy`): the synthetic episodes the policy played in M_exp (the replay buffer's write-back)
+- **On policy** (`replay_in_env`, scored by `on_policy`): the synthetic episodes the policy played in M_exp (the replay buffer's write-back)
   have their actions replayed in the real env from the same task's reset. Step h compares M_exp's state after h
   actions with the real one, as open loop does, but along the policy's actions, which is what the update learns
   from; and each episode M_exp ended is compared with what the real env did on the same actions (success
@@ -386,23 +386,18 @@ def synthetic_episodes(items: Iterable[Transition]) -> list[list[Transition]]:
   return list(episodes.values())
 
 
-def on_policy(env: Env, episodes: Sequence[Sequence[Transition]]) -> dict[str, Any]:
-  """The on-policy audit (module docstring) of synthetic `episodes` (`synthetic_episodes`) in the real `env`.
+Replay = tuple[Sequence[Transition], list[tuple[Transition, ExpPrediction]], bool]
 
-  Episodes of curriculum-generated tasks (params "generated_from") are skipped and counted: their instruction is not
-  the game's goal, so the real env's reward measures something else. A real episode that ends before M_exp's
-  (done earlier) is compared up to its end. Returns `score`'s metrics over the replayed steps (the copy baseline is
-  not given: the steps are the policy's, not recorded ones), "exact_by_step", "real_invalid" (the share of the
-  policy's actions the real env refused: M_exp offered or accepted them), and the episode outcomes:
-  "episodes", "skipped_generated", "ended_by_m_exp" (M_exp said done), "m_exp_success" and "real_success" (rates over
-  the episodes M_exp ended, the real env's after the same actions), "success_precision" and "success_recall" over
-  those, and "real_ended_first" (the real env said done before M_exp's last step)."""
-  truths, preds, by_episode = [], [], []
-  skipped = ended = real_first = 0
-  outcomes = []  # (M_exp success, real success) of each episode M_exp ended
+
+def replay_in_env(env: Env, episodes: Sequence[Sequence[Transition]]) -> list[Replay | None]:
+  """Each synthetic episode (`synthetic_episodes`) replayed in the real `env` from its task's reset with the same
+  actions, up to the real end: (its steps, (the real transition, M_exp's step as a prediction) per replayed step,
+  whether the real env reached success). None for an episode of a curriculum-generated task (params
+  "generated_from"): its instruction is not the game's goal, so the real env's reward measures something else."""
+  out: list[Replay | None] = []
   for steps in episodes:
     if steps[0].task.param.get("generated_from") is not None:
-      skipped += 1
+      out.append(None)
       continue
     obs = env.reset(steps[0].task)
     real_success, pairs = False, []
@@ -415,21 +410,33 @@ def on_policy(env: Env, episodes: Sequence[Sequence[Transition]]) -> dict[str, A
                     ExpPrediction(t.next_state, t.reward, t.done, t.success, "", True, "", t.invalid)))
       obs, real_success = r.observation, real_success or r.success
       if r.done:
-        real_first += t is not steps[-1]
         break
-    truths += [x for x, _ in pairs]
-    preds += [p for _, p in pairs]
-    by_episode.append(pairs)
-    if steps[-1].done:
-      ended += 1
-      outcomes.append((steps[-1].success, real_success))
+    out.append((steps, pairs, real_success))
+  return out
+
+
+def on_policy(replays: Sequence[Replay | None]) -> dict[str, Any]:
+  """The on-policy audit (module docstring) of episodes replayed by `replay_in_env`; the episodes of generated tasks
+  are counted ("skipped_generated"). A real episode that ended before M_exp's is compared up to its end. Returns
+  `score`'s metrics over the replayed steps (the copy baseline is not given: the steps are the policy's, not recorded
+  ones), "exact_by_step", "real_invalid" (the share of the policy's actions the real env refused: M_exp offered or
+  accepted them), and the episode outcomes: "episodes", "ended_by_m_exp" (M_exp said done), "m_exp_success" and
+  "real_success" (rates over the episodes M_exp ended, the real env's after the same actions), "success_precision"
+  and "success_recall" over those, and "real_ended_first" (the real env said done before M_exp's last step)."""
+  kept = [r for r in replays if r is not None]
+  by_episode = [pairs for _, pairs, _ in kept]
+  truths = [x for pairs in by_episode for x, _ in pairs]
+  preds = [p for pairs in by_episode for _, p in pairs]
+  outcomes = [(steps[-1].success, real) for steps, _, real in kept if steps[-1].done]  # the episodes M_exp ended
   out = score(truths, preds)
   out["real_invalid"] = float(np.mean([t.invalid for t in truths])) if truths else None
   out["exact_by_step"] = _horizon_curve([[x for x, _ in e] for e in by_episode], [[p for _, p in e] for e in by_episode],
                                         max((len(e) for e in by_episode), default=0))
   said, real = np.array([o[0] for o in outcomes], bool), np.array([o[1] for o in outcomes], bool)
-  out |= {"episodes": len(by_episode), "skipped_generated": skipped, "ended_by_m_exp": ended,
+  ended = len(outcomes)
+  out |= {"episodes": len(kept), "skipped_generated": len(replays) - len(kept), "ended_by_m_exp": ended,
           "m_exp_success": float(said.mean()) if ended else None, "real_success": float(real.mean()) if ended else None,
           "success_precision": _rate(int(np.sum(said & real)), int(np.sum(said))),
-          "success_recall": _rate(int(np.sum(said & real)), int(np.sum(real))), "real_ended_first": real_first}
+          "success_recall": _rate(int(np.sum(said & real)), int(np.sum(real))),
+          "real_ended_first": sum(len(pairs) < len(steps) for steps, pairs, _ in kept)}
   return out
