@@ -11,8 +11,8 @@ about the dynamics would say):
   state after h actions. Copy baseline: the first state forever.
 
 A third protocol audits a DreamGym run rather than a held-out set:
-- **On policy** (`replay_in_env`, scored by `on_policy`): the synthetic episodes the policy played in M_exp (the replay buffer's write-back)
-  have their actions replayed in the real env from the same task's reset. Step h compares M_exp's state after h
+- **On policy** (`replay_in_env`, scored by `on_policy`): the synthetic episodes the policy played in M_exp (the
+  replay buffer's write-back) have their actions replayed in the real env from the same task's reset. Step h compares M_exp's state after h
   actions with the real one, as open loop does, but along the policy's actions, which is what the update learns
   from; and each episode M_exp ended is compared with what the real env did on the same actions (success
   precision: of the episodes M_exp called successes, the share the real env calls successes).
