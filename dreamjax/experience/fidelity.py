@@ -12,10 +12,10 @@ about the dynamics would say):
 
 A third protocol audits a DreamGym run rather than a held-out set:
 - **On policy** (`replay_in_env`, scored by `on_policy`): the synthetic episodes the policy played in M_exp (the
-  replay buffer's write-back) have their actions replayed in the real env from the same task's reset. Step h compares M_exp's state after h
-  actions with the real one, as open loop does, but along the policy's actions, which is what the update learns
-  from; and each episode M_exp ended is compared with what the real env did on the same actions (success
-  precision: of the episodes M_exp called successes, the share the real env calls successes).
+  replay buffer's write-back) have their actions replayed in the real env from the same task's reset. Step h
+  compares M_exp's state after h actions with the real one, as open loop does, but along the policy's actions, which
+  is what the update learns from; and each episode M_exp ended is compared with what the real env did on the same
+  actions (success precision: of the episodes M_exp called successes, the share the real env calls successes).
 
 Metrics (`score`): next-state exact match (on TextWorld-Express also apart on the transitions whose next state the
 prompt determines and on those that reveal a room it does not show, `reveal_mask`) and whitespace-token F1;
