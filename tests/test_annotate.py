@@ -165,6 +165,57 @@ def test_twx_tutorials(twx):
       assert "this run failed: it reached the step limit of 50 steps" in a.tutorial
 
 
+ROOM = ("Location: bedroom\nYou see: desk (empty), wardrobe (open, empty), chest of drawers (closed), bed (blue "
+        "gloves), Black Blanket\nExits: north\nInventory: long coat\nFeedback: You take the long coat.")
+
+
+@pytest.mark.parametrize("action, cause", [
+    ("take long coat", ["The long coat is already in the inventory."]),
+    ("take teapot", ["The state shows no teapot."]),
+    ("take black blanket", []),  # takeable: the state shows no cause, and says so by saying nothing
+    ("put blue gloves in desk", ["The blue gloves is not in the inventory: it is on the bed."]),
+    ("put long coat in chest of drawers", ["The chest of drawers is closed."]),
+    ("put long coat in sofa", ["The state shows no sofa."]),
+    ("put teapot in sofa", ["The teapot is not in the inventory.", "The state shows no teapot.",
+                            "The state shows no sofa."]),
+    ("open wardrobe", ["The wardrobe is already open."]),
+    ("close chest of drawers", ["The chest of drawers is already closed."]),
+    ("open desk", ["The state does not show the desk as closed."]),
+    ("open chest of drawers", []),
+    ("close fridge", ["The state shows no fridge."]),
+    ("move south", ["There is no exit south."]),
+    ("move north", []),
+    ("dance a jig", []),
+])
+def test_refusal_causes_read_off_the_state(action, cause):
+  assert rule_annotator("textworld_express").rules.refusal(ROOM, action) == cause
+
+
+def test_refused_steps_are_explained_by_the_state_before_the_verdict(tmp_path):
+  """Every action the twc game refused in a stale collection gets a cause from the state, written before the verdict:
+  in DreamGym the admissible list M_exp sees is its own, so the verdict must be able to follow from the state."""
+  pytest.importorskip("textworld_express")
+  from dreamjax.data.collect import CollectConfig, collect
+
+  collect(CollectConfig(games=("twc",), env_kwargs=("step_limit=8",), policies=("stale0.5:6",), num_workers=0,
+                        rows_per_worker=6, out_dir=str(tmp_path), progress=False, build_tfds=False))
+  records = read_trajectories(tmp_path / "trajectories.jsonl")
+  annotator = rule_annotator("textworld_express", step_limit=8)
+  refused = 0
+  for r in records:
+    for s, reason in zip(r.steps, annotator.annotate(r).reasons):
+      verdict = reason.index(f'The action "{s.action}" ')
+      if s.invalid:
+        cause = annotator.rules.refusal(s.state, s.action)
+        assert cause and all(0 <= reason.index(c) < verdict for c in cause), (s.state, s.action, reason)
+        refused += 1
+      else:
+        assert annotator.rules.refusal(s.state, s.action) == [], (s.state, s.action)  # no cause for an accepted one
+        if "Before acting" in reason:
+          assert reason.index("Before acting") < verdict
+  assert refused >= 5
+
+
 def test_reasons_fit_the_experience_model_target(twx):
   _, records, _ = twx
   annotations = {r.episode_id: a for r, a in _twx_annotations(twx)}

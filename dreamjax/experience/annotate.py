@@ -235,8 +235,11 @@ class RuleAnnotator:
 
   def reason(self, record: TrajectoryRecord, j: int, end: str) -> str:
     s = record.steps[j]
-    parts: list[str] = []
+    # What the state shows comes before the verdict, so that the verdict follows from the state. In DreamGym the
+    # admissible list M_exp is shown is its own, and a verdict read off that list cannot catch an entry it invented.
+    parts = self.rules.preconditions(s.state, s.action)
     if s.invalid:
+      parts += self.rules.refusal(s.state, s.action)
       listed = " (it is not among the admissible actions)" if s.admissible and not self.rules.admissible(
           s.action, s.admissible) else ""
       parts.append(f"The action {quote(s.action, 120)} is invalid here{listed}, so the environment does not carry it "
@@ -245,7 +248,6 @@ class RuleAnnotator:
       parts.append(f"The action {quote(s.action, 120)} is one of the {len(s.admissible)} admissible actions.")
     else:
       parts.append(f"The environment accepts the action {quote(s.action, 120)}.")
-    parts += self.rules.preconditions(s.state, s.action)
     if s.state == s.next_state:
       parts.append("Nothing changes: the next state is the same as this one.")
     parts += self.rules.effects(s.state, s.next_state) or line_diff(s.state, s.next_state)

@@ -3,6 +3,8 @@
 Each env's rules answer three questions from the abstract states alone (so the reasons stay true of the record):
 - `admissible(action, admissible)`: is the action in the step's admissible list (env-specific matching);
 - `preconditions(state, action)`: where each object, exit or page element the action names is, before acting;
+- `refusal(state, action)`: what in the state stops an action the env refused (an item already held, a door
+  already open, an object the state does not show);
 - `effects(state, next_state)`: what changed: location, objects appearing, disappearing or changing, doors and exits,
   inventory, page elements, the env's feedback or error.
 Text envs (TextWorld-Express, ALFWorld) share one reader of their "Field: value" states; the web reader parses
@@ -135,6 +137,42 @@ class TextRules:
                if name not in where]
     return [f"Before acting, the state shows {'; '.join(seen)}."] if seen else []
 
+  def refusal(self, state: str, action: str) -> list[str]:
+    """What in the state stops `action` (take, put, open, close, move), for a step the env refused: the reason then
+    rests on the state, which M_exp sees in DreamGym too, not only on the admissible list, which there is its own."""
+    fields = text_fields(state)
+    where = {n.lower(): (n, w) for n, w in text_objects(fields, self.at).items()}  # actions may be lower-cased
+    status = {n.lower(): d for n, d in map(_name_detail, split_items(fields.get("You see", "")))}
+
+    def name(x: str) -> str:
+      return where[x][0] if x in where else x
+
+    a = " ".join(action.lower().split())
+    out: list[str] = []
+    if m := re.fullmatch(r"take (.+?)(?: from (.+))?", a):
+      held = where.get(m[1], ("", ""))[1] == "in the inventory"
+      out.append(f"The {name(m[1])} is already in the inventory." if held else "")
+      missing = [m[1]]
+    elif m := re.fullmatch(r"(?:put|move) (.+?) (?:in|on|into|to) (.+)", a):
+      if where.get(m[1], ("", ""))[1] != "in the inventory":
+        out.append(f"The {name(m[1])} is not in the inventory" + (f": it is {where[m[1]][1]}." if m[1] in where else "."))
+      out.append(f"The {name(m[2])} is closed." if status.get(m[2], "").startswith("closed") else "")
+      missing = [m[1], m[2]]
+    elif m := re.fullmatch(r"(open|close) (.+)", a):
+      now = next((w for w in ("open", "closed") if status.get(m[2], "").startswith(w)), "")
+      needed = "closed" if m[1] == "open" else "open"
+      if m[2] in where and now != needed:
+        out.append(f"The {name(m[2])} is already {now}." if now else
+                   f"The state does not show the {name(m[2])} as {needed}.")
+      missing = [m[2]]
+    elif m := re.fullmatch(r"(?:move|go) (north|south|east|west|up|down)", a):
+      out.append("" if m[1] in _exits(fields.get("Exits", "")) else f"There is no exit {m[1]}.")
+      missing = []
+    else:
+      missing = []
+    out += [f"The state shows no {x}." for x in missing if x not in where]
+    return [x for x in out if x]
+
   def effects(self, state: str, next_state: str) -> list[str]:
     b, a = text_fields(state), text_fields(next_state)
     if state == next_state:
@@ -237,6 +275,9 @@ class WebRules:
       listed = f"'{parsed.args[1]}'" in element or f" {parsed.args[1]} " in f" {element} "
       out.append(f"The option {parsed.args[1]!r} is " + ("one of its options." if listed else "not listed in it."))
     return out
+
+  def refusal(self, state: str, action: str) -> list[str]:
+    return []  # preconditions already name a missing element or an unparseable call
 
   def effects(self, state: str, next_state: str) -> list[str]:
     (bh, be), (ah, ae) = web_fields(state), web_fields(next_state)
