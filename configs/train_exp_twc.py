@@ -7,10 +7,7 @@ container's contents, the feedback), and nothing in twc's next states is hidden 
 state made the model copy a long "You see" list token for token, and a 3-layer model with reasoning on scored 0.00
 exact match after 500 steps, below the 0.16 of copying the current state. Changed lines scored 0.318 on the 737
 held-out transitions after 1,600 steps (experiments/RESULTS.md, ninth stop); with item edits, which leave only the
-item the action names to copy, 0.653 (eleventh stop). Most of the remaining errors misquote that item. Writing the
-admissible list as edits too (`ExpFormatConfig.action_edits`) lists it right far more often (0.61 exact against
-0.17) but lowers exact match to 0.623 and doubles parse failures, and more synthetic episodes fail with it
-(twelfth stop), so it stays off here.
+item the action names to copy, 0.653 (eleventh stop). Most of the remaining errors misquote that item.
 
 The system message only names the job (`ExpFormatConfig.instructions=False`): a model trained from scratch learns the
 format from its targets, and the format's explanation was 524 of an example's 1,137 tokens on average. Without it a
@@ -21,6 +18,14 @@ Item edits are chosen by the items they name, not by length, so putting down one
 "Inventory -= <that item>"; the collection's stale0.3 episodes show it refused actions. With both, held-out exact
 match on the same 737 transitions is 0.814, two-item puts 60 of 80 exact (9 before); the model flags 14 of 63
 held-out refused actions (fourteenth stop).
+
+The admissible list is written as edits of the current one (`ExpFormatConfig.action_edits`), and a refused action's
+reasoning names what in the state stops it before the verdict (docs/testbeds.md). In DreamGym the policy picks from
+M_exp's list, so a wrong list is a wrong action offered: with whole lists, 0.262 of the policy's actions were ones
+the game refuses and 0.100 of M_exp's successes were real (on-policy audit, 2 iterations). With both changes the
+list is exact on 0.672 of held-out steps (0.360), 26 of 63 refused actions are flagged (14), and in DreamGym 0.069
+of the actions are refused and 0.380 of the successes real, at the same held-out exact match (0.781 against 0.783)
+with more parse failures (0.135 against 0.084; fifteenth stop).
 
 The data: the testbed's collection (`dreamjax reproduce --config configs/reproduce_twc.py` writes it first, in
 runs/reproduce/twc/data). The reproduce stage trains this same config on it (tests/test_testbeds.py checks).
@@ -49,8 +54,8 @@ def config() -> ExpSftConfig:
   return dataclasses.replace(
       base,
       trajectories=("runs/reproduce/twc/data/trajectories.jsonl",),
-      format=ExpFormatConfig(reasoning=True, state_changes=True, list_edits=True, instructions=False, k=1,
-                             max_history=2),
+      format=ExpFormatConfig(reasoning=True, state_changes=True, list_edits=True, action_edits=True,
+                             instructions=False, k=1, max_history=2),
       model=dataclasses.replace(base.model, tiny=tiny_model(
           "qwen2", vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=3, num_heads=4, num_kv_heads=2,
           head_dim=32)),
