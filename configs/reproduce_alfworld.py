@@ -8,7 +8,7 @@ oracle/random runs, configs/collect_alfworld.py).
 
 Run:   dreamjax reproduce --config configs/reproduce_alfworld.py          (accelerator; set the model checkpoints)
 Tiny:  dreamjax reproduce --config configs/reproduce_alfworld.py:tiny     (CPU; pick-and-place games, tiny models)
-Rerunning a command resumes it: finished stages are reused. Results: <out_dir>/results.md, results.json, results.svg.
+Rerunning a command resumes it: finished stages are reused. Results: <out_dir>/results.md, results.json, results.svg, data_efficiency.svg.
 """
 
 import dataclasses

@@ -17,7 +17,7 @@ Run (CPU, hours: three seeds of every row; rerunning resumes, finished stages ar
 One seed, GRPO rows only:   --set seeds=0 --set algorithms=grpo
 Tiny (every stage at test size; it checks that they fit together, not what they measure):
        dreamjax reproduce --config configs/reproduce_coin11.py:tiny
-Results: <out_dir>/results.md, results.json, results.svg.
+Results: <out_dir>/results.md, results.json, results.svg, data_efficiency.svg.
 """
 
 import dataclasses

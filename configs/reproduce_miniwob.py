@@ -9,7 +9,7 @@ paper's web step limit), train pages from seeds 0.., held-out pages from seeds 1
 
 Run:   dreamjax reproduce --config configs/reproduce_miniwob.py          (accelerator; set the model checkpoints)
 Tiny:  dreamjax reproduce --config configs/reproduce_miniwob.py:tiny     (CPU; click-button and click-link, tiny models)
-Rerunning a command resumes it: finished stages are reused. Results: <out_dir>/results.md, results.json, results.svg.
+Rerunning a command resumes it: finished stages are reused. Results: <out_dir>/results.md, results.json, results.svg, data_efficiency.svg.
 """
 
 import dataclasses

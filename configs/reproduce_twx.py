@@ -4,7 +4,7 @@ DreamGym-S2R and the component ablations, each RL method over three seeds, then 
 Run:   dreamjax reproduce --config configs/reproduce_twx.py          (accelerator; set the model checkpoints)
 Tiny:  dreamjax reproduce --config configs/reproduce_twx.py:tiny     (CPU; about an hour on 2 cores)
 Demo:  configs/demo.py (`make demo`) is the tiny one cut to one seed, GRPO only, no DPO, S2R or ablations.
-Rerunning a command resumes it: finished stages are reused. Results: <out_dir>/results.md, results.json, results.svg.
+Rerunning a command resumes it: finished stages are reused. Results: <out_dir>/results.md, results.json, results.svg, data_efficiency.svg.
 """
 
 import dataclasses

@@ -6,7 +6,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from dreamjax.loop.plots import fidelity_plot, learning_curve, metric_curves, success_bars
+from dreamjax.loop.plots import data_efficiency, fidelity_plot, learning_curve, metric_curves, success_bars
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -87,6 +87,40 @@ def test_success_bars(tmp_path, n):
   assert "held-out success" in text
   for i, m in enumerate(methods):
     assert m in text and f"{1000 * i} online real" in text
+
+
+@pytest.mark.parametrize("case", ["typical", "dreamgym_only", "empty"])
+def test_data_efficiency(tmp_path, case):
+  curves = {"GRPO (real env)": [_eval(0, 0.3), _eval(4, 0.5), _eval(8, 0.6)],
+            "DreamGym GRPO": [_eval(0, 0.3) | {"real_transitions": 0}, _eval(8, 0.55) | {"real_transitions": 0}],
+            "DreamGym-S2R GRPO": [_eval(0, 0.55), _eval(1, 0.65)], "no evaluations": []}
+  curves = {"typical": curves, "dreamgym_only": {"DreamGym GRPO": curves["DreamGym GRPO"]}, "empty": {}}[case]
+  text = _check(lambda p: data_efficiency(curves, p, title="twc"), tmp_path, case)
+  assert "online real transitions spent" in text and "twc" in text
+  assert ("GRPO (real env)" in text) == (case == "typical") and "no evaluations" not in text
+  assert ("DreamGym GRPO, no online real" in text) == (case != "empty")
+
+
+def test_data_efficiency_draws_a_method_without_online_transitions_as_a_level(tmp_path, monkeypatch):
+  """DreamGym's evaluations all sit at 0 online real transitions: its last one is drawn at 0 and as a dashed line
+  at that success, not as a line up the y axis through every evaluation."""
+  from matplotlib.figure import Figure
+
+  drawn = {}
+  real_savefig = Figure.savefig
+
+  def keep(fig, *args, **kw):
+    drawn["ax"] = fig.axes[0]
+    return real_savefig(fig, *args, **kw)
+
+  monkeypatch.setattr(Figure, "savefig", keep)
+  data_efficiency({"DreamGym GRPO": [{"real_transitions": 0, "success_rate": r, "ci_low": r - 0.1, "ci_high": r + 0.1}
+                                     for r in (0.3, 0.55)]}, tmp_path / "d.svg")
+  lines = drawn["ax"].get_lines()
+  level = [ln for ln in lines if ln.get_linestyle() == "--"]
+  assert len(level) == 1 and set(level[0].get_ydata()) == {0.55}
+  points = [ln for ln in lines if ln.get_linestyle() != "--" and len(ln.get_xdata()) and ln.get_marker() == "o"]
+  assert [list(ln.get_xdata()) for ln in points] == [[0]] and list(points[0].get_ydata()) == [0.55]
 
 
 def test_fidelity_plot(tmp_path):

@@ -63,6 +63,13 @@ def test_reproduce_runs_every_stage_writes_the_table_and_resumes(tmp_path, capsy
   table = (out / "results.md").read_text()
   assert "| M_exp EM | EM determined | eps_R | eps_P |" in table
   assert "| DreamGym-S2R GRPO |" in table and "DreamGym GRPO" in (out / "results.svg").read_text()
+  # The data-efficiency figure: real-env RL and S2R along the axis, DreamGym at 0 online real transitions.
+  curves = result["efficiency"]
+  assert list(curves) == ["GRPO (real env)", "DreamGym GRPO", "DreamGym-S2R GRPO"]
+  assert curves["GRPO (real env)"][-1]["real_transitions"] == rows["GRPO (real env)"]["real_transitions"]
+  assert {p["real_transitions"] for p in curves["DreamGym GRPO"]} == {0}
+  assert curves["DreamGym-S2R GRPO"][0]["real_transitions"] == 0 and curves["DreamGym-S2R GRPO"][-1]["real_transitions"] >= 1
+  assert "DreamGym GRPO, no online real" in (out / "data_efficiency.svg").read_text()
   assert table.strip() in capsys.readouterr().out
   # A rerun reuses every stage: nothing is trained or evaluated again, the table is the same.
   stamps = {p: p.stat().st_mtime_ns for p in out.rglob("summary.json")}
@@ -145,6 +152,31 @@ def test_rows_sum_the_runs_costs_per_seed(tmp_path):
   sft_line, dream_line = text.rstrip().splitlines()[-2:]
   assert dream_line.endswith("| 60 | 0.400 | 0.900 | 0.050 | 0.700 |") and sft_line.endswith("|  |  |  |  |")
   assert exp_columns({"held_out_fidelity": {}}) == dict.fromkeys(EXP_COLUMNS)
+
+
+def test_efficiency_curve_pools_the_seeds_evaluations(tmp_path):
+  """The data-efficiency points: per iteration every seed evaluated, the seeds' mean real transitions and the success
+  over all their episodes; an iteration one seed did not evaluate is left out, and a folder without evals.jsonl
+  (a run that never evaluated) leaves nothing to pool."""
+  from dreamjax.commands.reproduce import efficiency_curve
+  from dreamjax.loop.evaluate import wilson_interval
+
+  def seed(name, evals):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "evals.jsonl").write_text("".join(json.dumps({"iteration": i, "real_transitions": n, "successes": k,
+                                                            "episodes": 10, "outcomes": []}) + "\n"
+                                                for i, n, k in evals))
+    return str(folder)
+
+  folders = [seed("s0", [(0, 0, 3), (2, 100, 5), (4, 200, 6)]), seed("s1", [(0, 0, 4), (4, 180, 9)])]
+  points = efficiency_curve(folders)
+  assert [p["iteration"] for p in points] == [0, 4]
+  assert [p["real_transitions"] for p in points] == [0, 190]
+  assert [p["success_rate"] for p in points] == [0.35, 0.75] and points[1]["episodes"] == 20
+  assert (points[1]["ci_low"], points[1]["ci_high"]) == wilson_interval(15, 20)
+  (tmp_path / "empty").mkdir()
+  assert efficiency_curve(folders + [str(tmp_path / "empty")]) == [] and efficiency_curve([]) == []
 
 
 def test_ablations_are_their_own_experiments():

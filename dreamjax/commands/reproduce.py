@@ -16,6 +16,9 @@ The table (results.md, results.json, results.svg) has per method: offline real t
 data: every method starts from the SFT policy trained on it, and DreamGym's M_exp learns from it too), online real transitions spent in training, synthetic transitions,
 held-out success as the mean over seeds with a 95% Wilson interval over all its episodes and the per-seed rates,
 the training wall time (the cost comparison), and for rows trained in an M_exp its held-out fidelity (`exp_columns`).
+data_efficiency.svg is the paper's data-efficiency figure: held-out success against the online real transitions spent,
+for real-env RL, DreamGym and S2R, from the loops' own periodic evaluations pooled over seeds (`efficiency_curve`;
+results.json keeps the points).
 
 Several processes (a command started on every worker of a pod): `run` first joins them with its own `distributed`
 section (set it there: the stages' `start_run` then finds the processes joined and does not read the stage sections'),
@@ -47,7 +50,7 @@ from dreamjax.data.records import read_trajectory_files
 from dreamjax.loop.evaluate import EvalConfig, wilson_interval
 from dreamjax.loop.learner import RLConfig, TaskSpec, as_ppo
 from dreamjax.loop.lock import lock_run_folder
-from dreamjax.loop.plots import success_bars
+from dreamjax.loop.plots import data_efficiency, success_bars
 from dreamjax.loop.results import ABLATIONS, ablation_method, budget_text
 from dreamjax.loop.track import TrackConfig, json_dumps, to_json
 from dreamjax.parallel import DistributedConfig, barrier, from_primary, initialize, is_primary
@@ -338,14 +341,21 @@ def _reproduce(cfg: ReproduceConfig, out: Path) -> dict[str, Any]:
               seeds(f"dreamgym_grpo_{ablation}", lambda s, f, kw=kw, e=exp_ab: dream("grpo", s, f, e, **kw),
                     dreamgym.run), dream_offline, online(0), exp_ab)
 
+  # The data-efficiency figure: the RL rows but the ablations, which spend no online real transitions either and
+  # would only add lines at 0 (the table compares them).
+  ablations = {ablation_method(a) for a in cfg.ablations}
+  efficiency = {r["method"]: efficiency_curve(r["folders"]) for r in rows
+                if r["budget"]["kind"] == "online" and r["method"] not in ablations}
   result = {"env": cfg.eval.env, "backbone": backbone_name(cfg), "rows": rows, "seeds": list(cfg.seeds),
             "offline_transitions": offline(), "budgets": to_json(budgets), "eval": to_json(cfg.eval.tasks),
-            "seconds": time.perf_counter() - t0}
+            "efficiency": efficiency, "seconds": time.perf_counter() - t0}
   text = table(rows, cfg)
   if is_primary():
     (out / "results.json").write_text(json_dumps(result, indent=1) + "\n")
     (out / "results.md").write_text(text + "\n")
     success_bars(rows, out / "results.svg")
+    data_efficiency(efficiency, out / "data_efficiency.svg",
+                    title=f"{cfg.eval.env}: held-out success (95% CI) by real transitions")
   print(text, flush=True)
   return result
 
@@ -422,6 +432,24 @@ def row(method: str, runs: list[tuple[Path, dict[str, Any]]], evals: list[dict[s
           "sampled_success_rate": sum(sampled) / len(sampled) if sampled else None,
           "seconds": sum(seconds) / len(seconds) if seconds else None, "folders": [str(f) for f, _ in runs],
           **{name: sum(c[name] for c in costs) / len(costs) for name in COSTS}}
+
+
+def efficiency_curve(folders: list[str]) -> list[dict[str, Any]]:
+  """A method's held-out success at each periodic evaluation its RL loops ran (evals.jsonl: the start, every
+  `eval_every` iterations, the end), pooled over its seeds at the iterations every seed evaluated: the seeds' mean
+  online real transitions spent by then, and the success over all their episodes with its 95% Wilson interval."""
+  by_seed = []
+  for folder in folders:
+    path = Path(folder) / "evals.jsonl"
+    by_seed.append({e["iteration"]: e for _, e in read_jsonl(path)} if path.is_file() else {})
+  points = []
+  for it in sorted(set.intersection(*(set(s) for s in by_seed))) if by_seed else ():
+    evals = [s[it] for s in by_seed]
+    successes, episodes = sum(e["successes"] for e in evals), sum(e["episodes"] for e in evals)
+    low, high = wilson_interval(successes, episodes)
+    points.append({"iteration": it, "real_transitions": sum(e["real_transitions"] for e in evals) / len(evals),
+                   "success_rate": successes / episodes, "ci_low": low, "ci_high": high, "episodes": episodes})
+  return points
 
 
 def table(rows: list[dict[str, Any]], cfg: ReproduceConfig) -> str:

@@ -7,6 +7,8 @@
   are skipped and non-finite values are left out of their line.
 - `success_bars`: held-out success per method as bars with their interval, each labelled with the real transitions
   it spent online.
+- `data_efficiency`: held-out success against the online real transitions spent, a line per method (the paper's
+  data-efficiency figure).
 - `fidelity_plot`: experience models side by side: one-step metrics as grouped bars, open-loop exact match by step as
   lines.
 
@@ -124,6 +126,28 @@ def success_bars(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     ax.set_xticks(xs, [f"{r['method']}\n{r['real_transitions']} online real" for r in rows], fontsize=8)
   ax.set(ylim=(0, 1.03), ylabel="held-out success")
   ax.grid(axis="y", alpha=0.3)
+  return _save(fig, path)
+
+
+@mpl.rc_context(_RC)
+def data_efficiency(curves: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path, *, title: str = "") -> Path:
+  """Held-out success against the online real transitions spent: `curves[method]` are its evaluations in order (rows
+  with real_transitions, success_rate, ci_low, ci_high). A method that spent none (DreamGym) has no curve along the
+  axis: its last evaluation is drawn at 0 and continued as a dashed line, what it reached without online real
+  transitions, for the others' curves to cross or not."""
+  fig = Figure(figsize=(5.8, 3.8), layout="constrained")
+  ax = fig.subplots()
+  for i, (name, points) in enumerate((k, v) for k, v in curves.items() if v):
+    colour = COLOURS[i % len(COLOURS)]
+    if all(p["real_transitions"] == 0 for p in points):
+      ax.axhline(points[-1]["success_rate"], color=colour, ls="--", lw=1.2)
+      _success(ax, [0], points[-1:], colour, f"{name}, no online real")
+    else:
+      _success(ax, [p["real_transitions"] for p in points], points, colour, name)
+  ax.set(ylim=(0, 1.03), xlabel="online real transitions spent", ylabel="held-out success", title=title)
+  ax.grid(alpha=0.3)
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend(fontsize=8, frameon=False)
   return _save(fig, path)
 
 
