@@ -16,7 +16,8 @@ Held out = unseen games of the train fold (tasks 600-799). TWX's dev games use i
 89 dev items is among the 185 of the train games), which a policy trained from scratch cannot read: it scores 0.00
 there. The collection and RL draw from tasks 0-599 only.
 
-Run:  dreamjax reproduce --config configs/reproduce_twc.py        (CPU, hours; writes <out_dir>/results.md, .json, .svg and data_efficiency.svg)
+Run:  dreamjax reproduce --config configs/reproduce_twc.py        (CPU, hours; writes <out_dir>/results.md, .json, .svg,
+      data_efficiency.svg)
 Tiny: dreamjax reproduce --config configs/reproduce_twc.py:tiny   (every stage at test size; 47 min on one shared core)
 """
 
