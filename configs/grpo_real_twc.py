@@ -1,9 +1,10 @@
 """Real-env GRPO on the twc testbed's games with answers restricted to the admissible actions. From
-configs/reproduce_twc.py's SFT policy (0.530 greedy, 0.460 sampled on 200 held-out games), 40 iterations of these
-settings (`--set iterations=40`, 43-47 minutes on 2 CPU cores) gained +0.295, +0.210 and +0.280 greedy and +0.310,
-+0.220 and +0.325 sampled on seeds 0, 1 and 2 (experiments/RESULTS.md, eighteenth stop; issue 18's item 1c asks
-+0.25 within 60 minutes per seed). The default 30 iterations (33-34 minutes at the tenth stop) gained +0.235 and
-+0.280 greedy on seeds 1 and 2; at lr 1e-4 seed 0 gained +0.135 (eighth to tenth stops).
+configs/reproduce_twc.py's SFT policy (0.530 greedy, 0.460 sampled on 200 held-out games), 50 iterations of these
+settings (`--set iterations=50`, 51-57 minutes on 2 CPU cores) gained +0.285, +0.285 and +0.300 greedy and +0.300,
++0.300 and +0.295 sampled on seeds 0, 1 and 2 (experiments/RESULTS.md, nineteenth stop; issue 18's item 1c asks
++0.25 within 60 minutes per seed). 40 iterations gained +0.295, +0.210 and +0.280 greedy (eighteenth stop). The
+default stays 30 iterations because reproduce_twc's real-env and DreamGym rows share these settings, and each
+DreamGym iteration costs about 5 minutes here.
 
 Warm start: runs/reproduce/twc/sft/checkpoint, the SFT stage of `dreamjax reproduce --config
 configs/reproduce_twc.py` (any HF checkpoint via --set model.checkpoint=...).
@@ -11,7 +12,7 @@ Checks every 5 iterations on 50 held-out train-fold games (tasks 600-649); score
 `dreamjax eval --config configs/eval_twc.py --set checkpoint=<out_dir>/final --set out_dir=runs/eval/<name>`.
 
 Run:  dreamjax rl --config configs/grpo_real_twc.py
-1c:   dreamjax rl --config configs/grpo_real_twc.py --set iterations=40 --set seed=S --set out_dir=runs/grpo_twc_S<S>
+1c:   dreamjax rl --config configs/grpo_real_twc.py --set iterations=50 --set seed=S --set out_dir=runs/grpo_twc_S<S>
 Tiny: dreamjax rl --config configs/grpo_real_twc.py:tiny   (the same settings at test size; it measures nothing)
 """
 

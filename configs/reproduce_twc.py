@@ -9,8 +9,8 @@ over the admissible actions succeeds 0.035 [0.017, 0.070] and the gold path 1.00
 Answers are restricted to the admissible actions (`RolloutConfig.constrain_actions`) in every stage: free answers
 from the tiny policy were 44-66% inadmissible, which measured its spelling of item names more than its choices. With
 restriction this config's SFT policy (400 steps) scores 0.530 greedy and 0.460 sampled on the held-out games, and
-real-env GRPO from it with the settings below, run for 40 iterations, gained +0.295, +0.210 and +0.280 greedy on
-seeds 0-2 in 43-47 minutes each (experiments/RESULTS.md, eighteenth stop). M_exp writes each next state as its
+real-env GRPO from it with the settings below, run for 50 iterations, gained +0.285, +0.285 and +0.300 greedy on
+seeds 0-2 in 51-57 minutes each (experiments/RESULTS.md, nineteenth stop). M_exp writes each next state as its
 changed lines (configs/train_exp_twc.py).
 
 Held out = unseen games of the train fold (tasks 600-799). TWX's dev games use item names no train game has (none of

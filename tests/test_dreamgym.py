@@ -39,6 +39,7 @@ from dreamjax.rl.optim import OptimConfig
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
 from dreamjax.rollout.trajectory import Trajectories
+from tests.compile_effort import optimized
 from tests.warm_start import behaviour_clone
 
 pytest.importorskip("textworld_express")
@@ -71,7 +72,8 @@ def parts(twx, tmp_path_factory):
   exp = load_config("configs/train_exp_twx.py:tiny", [f"trajectories={data}", f"out_dir={root / 'exp'}", "steps=200",
                                                       "optim.total_steps=200", "eval_every=0", "held_out_fraction=0",
                                                       "max_len=512"])
-  exp_summary = train_exp(exp)
+  with optimized():  # 200 steps: worth XLA's full optimisation
+    exp_summary = train_exp(exp)
   policy, _ = behaviour_clone([r for r in records if r.policy == "expert"], FMT, ROLLOUT, root)
   return data, Path(exp_summary["checkpoint"]), policy
 

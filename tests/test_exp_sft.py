@@ -35,6 +35,7 @@ from dreamjax.replay.encoder import BackbonePooledEncoder
 from dreamjax.replay.retriever import Retriever
 from dreamjax.rl.logprobs import LogpScorer
 from experiments import exp_model_quality
+from tests.compile_effort import optimized
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = f"{ROOT / 'configs' / 'train_exp_twx.py'}:tiny"
@@ -255,7 +256,8 @@ def test_predictor_output_does_not_depend_on_batch_neighbours(small_model):
 @pytest.fixture(scope="module")
 def trained(coin_path, tmp_path_factory) -> tuple[ExpSftConfig, dict]:
   cfg = load_config(TINY, [f"trajectories={coin_path}", f"out_dir={tmp_path_factory.mktemp('exp_sft')}"])
-  return cfg, run(cfg)
+  with optimized():  # hundreds of steps: worth XLA's full optimisation
+    return cfg, run(cfg)
 
 
 def test_tiny_exp_model_beats_the_copy_baseline_on_held_out_tasks(trained):

@@ -40,6 +40,7 @@ from dreamjax.rollout.agent import AgentFormat, build_turn_prompt, format_answer
 from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
 from dreamjax.sampling import SpeculativeConfig
 from dreamjax.text import Kind, train_bpe_tokenizer
+from tests.compile_effort import optimized
 from tests.test_agent_view import ScriptedSampler
 
 GAME, PARAMS = "simonsays", "gameLength=2"  # short states; each game's commands differ, so transitions are distinct
@@ -459,7 +460,8 @@ MARGIN = 2.0  # logits; the sampler's cached decoding rounds differently from th
 
 @pytest.fixture(scope="module")
 def trained(cfg, tok, retriever, records):
-  params, steps, worst = _sft(cfg, tok, retriever, records, lr=3e-3, max_steps=300, margin=MARGIN)
+  with optimized():  # up to 300 steps: worth XLA's full optimisation
+    params, steps, worst = _sft(cfg, tok, retriever, records, lr=3e-3, max_steps=300, margin=MARGIN)
   assert worst >= MARGIN, f"SFT did not memorise the records in {steps} steps: the worst supervised token leads the " \
       f"runner-up by {worst:.3f} logits, below {MARGIN}"
   return params
