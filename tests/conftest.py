@@ -12,7 +12,7 @@ os.environ.setdefault("DREAMJAX_SKIP_PEERS", "1")  # benchmarks smoke-tested her
 # Runs write no compilation cache into their folders (file-listing tests compare run folders); fixtures that share
 # one across runs set JAX's own, which "off" leaves alone. tests/test_compilation_cache.py turns it on.
 os.environ.setdefault("DREAMJAX_COMPILATION_CACHE", "off")
-# Tiny programs compiled once and run a few times: LLVM's optimisation costs more than it saves (tests/compile_effort.py;
+# Tiny programs compiled once and run a few times: LLVM's optimisation costs more than it saves (tests/jax_settings.py;
 # children started with this environment inherit it).
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 

@@ -33,6 +33,7 @@ from dreamjax.models import abstract_params, load_hf_checkpoint, tiny
 from dreamjax.parallel import MeshConfig, make_mesh
 from dreamjax.rl.train_state import create_train_state, train_state_shardings
 from tests import rl_resume_child as child
+from tests.jax_settings import jax_config, persistent_cache
 from tests.warm_start import behaviour_clone
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -313,15 +314,9 @@ def test_wandb_runs_carry_group_job_type_and_the_code_commit(tmp_path):
 @pytest.fixture(scope="module")
 def xla_cache(tmp_path_factory):
   """A persistent compilation cache shared with the child process: the three runs compile the same programs."""
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
-  before = {n: getattr(jax.config, n) for n in names}
-  folder = str(tmp_path_factory.mktemp("xla_cache"))
-  for n, v in zip(names, (folder, 0, 0)):
-    jax.config.update(n, v)
-  yield {n.upper(): str(v) for n, v in zip(names, (folder, 0, 0))}
-  for n, v in before.items():
-    jax.config.update(n, v)
+  settings = persistent_cache(str(tmp_path_factory.mktemp("xla_cache")))
+  with jax_config(**settings):
+    yield {n.upper(): str(v) for n, v in settings.items()}
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from dreamjax.rl.optim import OptimConfig, make_optimizer
 from dreamjax.rl.train_state import create_train_state
 from dreamjax.rl.update import make_train_step
 from dreamjax.rollout.engine import RolloutConfig
+from tests.jax_settings import jax_config, persistent_cache
 
 B, T = 8, 16
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,14 +62,8 @@ def max_rel_diff(a, b) -> float:
 def compilation_cache(tmp_path_factory):
   """A persistent compilation cache for this module (as tests/test_rl_real.py): learners built alike (the resumed
   one, the single-device twin of the mesh one) load the executables an earlier one compiled."""
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
-  before = {n: getattr(jax.config, n) for n in names}
-  for n, v in zip(names, (str(tmp_path_factory.mktemp("xla_cache")), 0, 0)):
-    jax.config.update(n, v)
-  yield
-  for n, v in before.items():
-    jax.config.update(n, v)
+  with jax_config(**persistent_cache(str(tmp_path_factory.mktemp("xla_cache")))):
+    yield
 
 
 @pytest.fixture(scope="module")

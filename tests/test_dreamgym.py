@@ -39,7 +39,7 @@ from dreamjax.rl.optim import OptimConfig
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
 from dreamjax.rollout.trajectory import Trajectories
-from tests.compile_effort import optimized
+from tests.jax_settings import optimized
 from tests.warm_start import behaviour_clone
 
 pytest.importorskip("textworld_express")

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dreamjax.commands.train_exp import ExpSftConfig, run
+from dreamjax.commands.train_exp import ExpSftConfig, _batches, length_buckets, run
 from dreamjax.config import load_config
 from dreamjax.data.collect import CollectConfig, collect
 from dreamjax.data.records import Transition, read_trajectories, transitions
@@ -35,7 +35,7 @@ from dreamjax.replay.encoder import BackbonePooledEncoder
 from dreamjax.replay.retriever import Retriever
 from dreamjax.rl.logprobs import LogpScorer
 from experiments import exp_model_quality
-from tests.compile_effort import optimized
+from tests.jax_settings import optimized
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = f"{ROOT / 'configs' / 'train_exp_twx.py'}:tiny"
@@ -332,6 +332,33 @@ def test_config_variants_load_and_bad_settings_are_refused():
     load_config(TINY.rsplit(":", 1)[0] + ":nope", [])
   with pytest.raises(ValueError, match="retrieval_encoder"):
     ExpSftConfig(retrieval_encoder="bert")
+  with pytest.raises(ValueError, match=r"group_rows must be 0 or a multiple of batch_size \(8\), got 20"):
+    ExpSftConfig(batch_size=8, group_rows=20)
+
+
+def test_grouped_batches_hold_the_same_rows_sorted_by_length_in_a_seeded_order():
+  n, bs, window = 96, 8, 32  # three windows an epoch
+  lengths = np.random.default_rng(1).integers(300, 900, n)
+  plain = np.concatenate(list(_batches(n, bs, 36, seed=3)))
+  grouped = list(_batches(n, bs, 36, seed=3, lengths=lengths, group_rows=window))
+  assert len(grouped) == 36 and all(len(b) == bs for b in grouped)
+  flat = np.concatenate(grouped)
+  for epoch in range(3):  # every row once an epoch
+    assert sorted(flat[epoch * n:(epoch + 1) * n]) == list(range(n))
+  for w in range(len(flat) // window):
+    rows = slice(w * window, (w + 1) * window)
+    if w < n // window:  # the first epoch's windows hold the plain stream's rows (later ones its own permutations)
+      assert sorted(flat[rows]) == sorted(plain[rows])
+    batches = grouped[w * window // bs:(w + 1) * window // bs]
+    spans = sorted((lengths[b].min(), lengths[b].max()) for b in batches)
+    assert all(hi <= lo2 for (_, hi), (lo2, _) in zip(spans, spans[1:]))  # batches cut a sorted window
+  maxima = [lengths[b].max() for b in grouped]
+  assert maxima != sorted(maxima)  # taken in a seeded random order, not shortest first
+  again = list(_batches(n, bs, 36, seed=3, lengths=lengths, group_rows=window))
+  assert all((a == b).all() for a, b in zip(grouped, again))
+  # A grouped batch pads to within 128 of its longest row; ungrouped widths stay powers of two.
+  assert length_buckets(896, grouped=True) == (128, 256, 384, 512, 640, 768, 896)
+  assert length_buckets(896) == (64, 128, 256, 512, 896)
 
 
 # --- require_teacher_annotations: the scale configs' guard against training M_exp on rule-based reasoning ----------

@@ -33,6 +33,7 @@ from dreamjax.loop.run import RunFolder
 from dreamjax.loop.track import read_metrics
 from dreamjax.models import load_hf_checkpoint
 from tests import preemption_child as child
+from tests.jax_settings import jax_config, persistent_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMIT = "commit_success.txt"  # orbax's marker of a finished step
@@ -100,15 +101,9 @@ def test_the_cli_exits_75_when_a_run_is_preempted(monkeypatch, capsys):
 @pytest.fixture(scope="module")
 def xla_cache(tmp_path_factory):
   """A persistent compilation cache shared with the child processes: every run compiles the same programs."""
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
-  before = {n: getattr(jax.config, n) for n in names}
-  values = (str(tmp_path_factory.mktemp("xla_cache")), 0, 0)
-  for n, v in zip(names, values):
-    jax.config.update(n, v)
-  yield {n.upper(): str(v) for n, v in zip(names, values)}
-  for n, v in before.items():
-    jax.config.update(n, v)
+  settings = persistent_cache(str(tmp_path_factory.mktemp("xla_cache")))
+  with jax_config(**settings):
+    yield {n.upper(): str(v) for n, v in settings.items()}
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,7 @@ from dreamjax.rl.optim import OptimConfig
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
 from dreamjax.text import Kind
+from tests.jax_settings import jax_config, persistent_cache
 from tests.warm_start import behaviour_clone
 
 pytest.importorskip("textworld_express")
@@ -54,14 +55,8 @@ ROWS = 2 * ROLLOUT.group_size  # B * G
 def compilation_cache(tmp_path_factory):
   """A persistent compilation cache for this module: runs with the same shapes (the rerun from the same seed, the
   learner below) load the executables the first run compiled instead of compiling again on a shared 2-core CPU."""
-  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-           "jax_persistent_cache_min_entry_size_bytes")
-  before = {n: getattr(jax.config, n) for n in names}
-  for n, v in zip(names, (str(tmp_path_factory.mktemp("xla_cache")), 0, 0)):
-    jax.config.update(n, v)
-  yield
-  for n, v in before.items():
-    jax.config.update(n, v)
+  with jax_config(**persistent_cache(str(tmp_path_factory.mktemp("xla_cache")))):
+    yield
 
 
 @pytest.fixture(scope="module")

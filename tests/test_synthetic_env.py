@@ -40,7 +40,7 @@ from dreamjax.rollout.agent import AgentFormat, build_turn_prompt, format_answer
 from dreamjax.rollout.engine import RolloutConfig, RolloutEngine
 from dreamjax.sampling import SpeculativeConfig
 from dreamjax.text import Kind, train_bpe_tokenizer
-from tests.compile_effort import optimized
+from tests.jax_settings import optimized
 from tests.test_agent_view import ScriptedSampler
 
 GAME, PARAMS = "simonsays", "gameLength=2"  # short states; each game's commands differ, so transitions are distinct

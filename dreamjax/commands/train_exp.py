@@ -14,7 +14,10 @@ checkpoint's hidden states (no extra weights; meant for small models, as it load
 
 Batches are fixed shapes: `batch_size` rows (a multiple of micro-batches x data-parallel size) padded to one of a few
 length buckets (powers of two up to `max_len`), so the step compiles at most once per bucket. Rows are drawn from a
-seeded permutation per epoch; the PRNG key is folded with the step. Every `eval_every` steps the held-out side is
+seeded permutation per epoch; the PRNG key is folded with the step. With `group_rows` set, each window of that many
+rows of the stream is sorted by length, cut into batches, and the batches are taken in a seeded random order; widths
+are then multiples of 128. A batch then pads its rows to about their own length instead of the next power of two: on
+twc, whose examples run 300-900 tokens, most steps padded to 896 (experiments/RESULTS.md, twentieth stop). Every `eval_every` steps the held-out side is
 scored (teacher-forced NLL by region: reasoning, next state, outcome; greedy one-step exact match of a fixed subset
 against the copy baseline). At the end the model is saved as an HF folder (with the tokenizer and `exp_model.json`,
 which records the format, max_len, decode budget and retrieval encoder the model was trained with) and the final
@@ -102,6 +105,8 @@ class ExpSftConfig(RunConfig):
   epochs: float = 2.0
   max_len: int = 2048  # tokens per example (prompt + target); longer ones are trimmed, then dropped (counted)
   max_new_tokens: int = 0  # decode budget for fidelity; 0: the longest training target + 25%, rounded up to 32
+  # Rows per length-sorted window of the row stream (module docstring; a multiple of batch_size); 0: no grouping.
+  group_rows: int = 0
   eval_every: int = 200  # steps between held-out evaluations (0: only at the end)
   eval_examples: int = 64  # held-out examples decoded in periodic evaluations (the final one uses all)
   eval_batch_size: int = 16
@@ -126,10 +131,21 @@ class ExpSftConfig(RunConfig):
         raise ValueError(f"ExpSftConfig.{name} must be >= 1, got {getattr(self, name)}")
     if min(self.steps, self.epochs, self.eval_every, self.max_new_tokens, self.checkpoint_every) < 0:
       raise ValueError("ExpSftConfig: steps, epochs, eval_every, max_new_tokens and checkpoint_every must be >= 0")
+    if self.group_rows < 0 or self.group_rows % self.batch_size:
+      raise ValueError(f"ExpSftConfig.group_rows must be 0 or a multiple of batch_size ({self.batch_size}), "
+                       f"got {self.group_rows}")
 
 
-def length_buckets(max_len: int) -> tuple[int, ...]:
-  return prompt_buckets(max_len)
+GROUPED_WIDTH = 128  # width granularity of grouped batches: few compilations, little padding
+
+
+def length_buckets(max_len: int, grouped: bool = False) -> tuple[int, ...]:
+  """Batch widths the train step compiles for: powers of two up to `max_len`, or with grouped batches (whose rows
+  are of about one length) multiples of GROUPED_WIDTH."""
+  if not grouped:
+    return prompt_buckets(max_len)
+  top = -(-max_len // GROUPED_WIDTH) * GROUPED_WIDTH
+  return tuple(range(GROUPED_WIDTH, top + 1, GROUPED_WIDTH))
 
 
 def load_annotation_files(paths: tuple[str, ...]) -> dict[str, Annotation] | None:
@@ -189,15 +205,26 @@ def decode_budget(examples: list[ExpExample], max_len: int) -> int:
   return min(max_len, -(-int(longest * 1.25) // 32) * 32)
 
 
-def _batches(n: int, batch_size: int, total_steps: int, seed: int):
-  """Row indices per step: seeded permutations of range(n), one per epoch, read in consecutive slices."""
+def _batches(n: int, batch_size: int, total_steps: int, seed: int, lengths: np.ndarray | None = None,
+             group_rows: int = 0):
+  """Row indices per step: seeded permutations of range(n), one per epoch, read in consecutive slices. With
+  `group_rows`, each slice of that many rows is sorted by `lengths` (stably), cut into batches, and its batches
+  are yielded in a seeded random order."""
   rng = np.random.default_rng(seed)
+  take = group_rows or batch_size
   order = np.zeros(0, np.int64)
+  ready: list[np.ndarray] = []
   for _ in range(total_steps):
-    while len(order) < batch_size:
-      order = np.concatenate([order, rng.permutation(n)])
-    yield order[:batch_size]
-    order = order[batch_size:]
+    if not ready:
+      while len(order) < take:
+        order = np.concatenate([order, rng.permutation(n)])
+      window, order = order[:take], order[take:]
+      if group_rows:
+        window = window[np.argsort(lengths[window], kind="stable")]
+      ready = [window[i:i + batch_size] for i in range(0, take, batch_size)]
+      if group_rows:
+        ready = [ready[i] for i in rng.permutation(len(ready))]
+    yield ready.pop(0)
 
 
 def _evaluate(predictor: Predictor, scorer: LogpScorer, params: Any, held: list[ExpExample],
@@ -261,7 +288,7 @@ def _train(cfg: ExpSftConfig, run: RunFolder, tracker: Tracker, t0: float) -> di
   # It scores the Predictor's copy of the weights, which is unrolled whatever the training layout (`sampling_copy`).
   scorer = LogpScorer(model_cfg.replace(scan_layers=False), cfg.eval_batch_size, pad_to=MIN_BUCKET, mesh=mesh)
   decode_subset = data.held_out[: cfg.eval_examples]
-  buckets = length_buckets(cfg.max_len)
+  buckets = length_buckets(cfg.max_len, grouped=bool(cfg.group_rows))
   score_len = score_len_for([e.loss_mask for e in data.train])  # one compilation per length bucket
   key = jax.random.key(cfg.seed)
   history: list[dict[str, Any]] = []
@@ -279,7 +306,9 @@ def _train(cfg: ExpSftConfig, run: RunFolder, tracker: Tracker, t0: float) -> di
                                     **skips.check()}, tracker)
 
   t_train = time.perf_counter()
-  batches = itertools.islice(_batches(len(data.train), cfg.batch_size, total, cfg.seed), done, None)
+  lengths = np.array([len(e.ids) for e in data.train])
+  batches = itertools.islice(_batches(len(data.train), cfg.batch_size, total, cfg.seed, lengths, cfg.group_rows),
+                             done, None)
   with progress(total, "exp_sft", unit="step", initial=done, enabled=cfg.track.progress and tracker.primary) as bar:
     for step, rows in enumerate(batches, start=done + 1):
       examples = [data.train[i] for i in rows]
