@@ -17,11 +17,12 @@ length buckets (powers of two up to `max_len`), so the step compiles at most onc
 seeded permutation per epoch; the PRNG key is folded with the step. With `group_rows` set, each window of that many
 rows of the stream is sorted by length, cut into batches, and the batches are taken in a seeded random order; widths
 are then multiples of 128. A batch then pads its rows to about their own length instead of the next power of two: on
-twc, whose examples run 300-900 tokens, most steps padded to 896 (experiments/RESULTS.md, twentieth stop). Every `eval_every` steps the held-out side is
-scored (teacher-forced NLL by region: reasoning, next state, outcome; greedy one-step exact match of a fixed subset
-against the copy baseline). At the end the model is saved as an HF folder (with the tokenizer and `exp_model.json`,
-which records the format, max_len, decode budget and retrieval encoder the model was trained with) and the final
-held-out fidelity goes into summary.json.
+twc, whose examples run 300-900 tokens, most steps padded to 896 (experiments/RESULTS.md, twentieth stop).
+
+Every `eval_every` steps the held-out side is scored (teacher-forced NLL by region: reasoning, next state, outcome;
+greedy one-step exact match of a fixed subset against the copy baseline). At the end the model is saved as an HF
+folder (with the tokenizer and `exp_model.json`, which records the format, max_len, decode budget and retrieval
+encoder the model was trained with) and the final held-out fidelity goes into summary.json.
 
 Annotations: the reasoning targets R*_t come from `annotations` (files written by `dreamjax annotate`: the
 rule-based annotator or a teacher LLM behind an OpenAI-compatible endpoint, each line naming its `annotator`) or,
