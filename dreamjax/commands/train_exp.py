@@ -17,7 +17,8 @@ length buckets (powers of two up to `max_len`), so the step compiles at most onc
 seeded permutation per epoch; the PRNG key is folded with the step. With `group_rows` set, each window of that many
 rows of the stream is sorted by length, cut into batches, and the batches are taken in a seeded random order; widths
 are then multiples of 128. A batch then pads its rows to about their own length instead of the next power of two: on
-twc, whose examples run 300-900 tokens, most steps padded to 896 (experiments/RESULTS.md, twentieth stop).
+twc, whose examples run 300-900 tokens, a batch padded to 896 unless all its rows fit in 512 (experiments/RESULTS.md,
+twentieth stop).
 
 Every `eval_every` steps the held-out side is scored (teacher-forced NLL by region: reasoning, next state, outcome;
 greedy one-step exact match of a fixed subset against the copy baseline). At the end the model is saved as an HF
