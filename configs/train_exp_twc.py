@@ -29,10 +29,11 @@ with more parse failures (0.135 against 0.084; fifteenth stop).
 
 Batches are grouped by length (`ExpSftConfig.group_rows`): each window of 256 rows is sorted by length and cut into
 batches padded to a multiple of 128, where an ungrouped batch of these 300-900-token examples padded to 896 unless
-all 8 rows fit in 512. Training runs 1.3x as many tokens a second, so 6,000 steps train in 107 minutes: held-out exact match 0.854 on
-all 985 transitions, 0.883 on the 737 non-stale ones, against 0.813 / 0.840 for 2,400 steps plus 1,200 more from
-that checkpoint (experiments/RESULTS.md, twentieth stop). Item 3's 0.9 is not met: 107 of the 144 misses are answers
-that do not parse, an item or action edit naming what the current state or list does not hold.
+all 8 rows fit in 512. Training runs 1.3x as many tokens a second, so 6,000 steps train in 107 minutes: held-out
+exact match 0.854 on all 985 transitions, 0.883 on the 737 non-stale ones, against 0.813 / 0.840 for 2,400 steps
+plus 1,200 more from that checkpoint (experiments/RESULTS.md, twentieth stop). Item 3's 0.9 is not met: 107 of the
+144 misses are answers that do not parse, an item or action edit naming what the current state or list does not
+hold.
 
 The data: the testbed's collection (`dreamjax reproduce --config configs/reproduce_twc.py` writes it first, in
 runs/reproduce/twc/data). The reproduce stage trains this same config on it (tests/test_testbeds.py checks).
