@@ -109,6 +109,8 @@ class ExpSftConfig(RunConfig):
   max_new_tokens: int = 0  # decode budget for fidelity; 0: the longest training target + 25%, rounded up to 32
   # Rows per length-sorted window of the row stream (module docstring; a multiple of batch_size); 0: no grouping.
   group_rows: int = 0
+  # Copies of the training episodes added with their items renamed (dreamjax.experience.rename); 0: none.
+  renamed_copies: int = 0
   eval_every: int = 200  # steps between held-out evaluations (0: only at the end)
   eval_examples: int = 64  # held-out examples decoded in periodic evaluations (the final one uses all)
   eval_batch_size: int = 16
@@ -131,8 +133,10 @@ class ExpSftConfig(RunConfig):
                  "keep_checkpoints"):
       if getattr(self, name) < 1:
         raise ValueError(f"ExpSftConfig.{name} must be >= 1, got {getattr(self, name)}")
-    if min(self.steps, self.epochs, self.eval_every, self.max_new_tokens, self.checkpoint_every) < 0:
-      raise ValueError("ExpSftConfig: steps, epochs, eval_every, max_new_tokens and checkpoint_every must be >= 0")
+    if min(self.steps, self.epochs, self.eval_every, self.max_new_tokens, self.checkpoint_every,
+           self.renamed_copies) < 0:
+      raise ValueError("ExpSftConfig: steps, epochs, eval_every, max_new_tokens, checkpoint_every and renamed_copies "
+                       "must be >= 0")
     if self.group_rows < 0 or self.group_rows % self.batch_size:
       raise ValueError(f"ExpSftConfig.group_rows must be 0 or a multiple of batch_size ({self.batch_size}), "
                        f"got {self.group_rows}")
@@ -272,7 +276,7 @@ def _train(cfg: ExpSftConfig, run: RunFolder, tracker: Tracker, t0: float) -> di
   retriever = exp_retriever(cfg.retrieval_encoder, init_folder) if cfg.format.retrieval and cfg.format.k else None
   builder = ExampleBuilder(tokenizer, cfg.format, cfg.max_len)
   data = build_sft_data(records, builder, retriever, held_out_fraction=cfg.held_out_fraction, seed=cfg.seed,
-                        annotations=notes, exclude=cfg.retrieval_exclude)
+                        annotations=notes, exclude=cfg.retrieval_exclude, renamed_copies=cfg.renamed_copies)
   if not data.train:
     raise ValueError(f"no training examples fit max_len={cfg.max_len} ({data.stats})")
   echo(f"exp_sft: {len(data.train)} training and {len(data.held_out)} held-out examples; {data.stats}")

@@ -40,6 +40,7 @@ import numpy as np
 from jaxtyping import Int
 
 from dreamjax.data.records import TrajectoryRecord, Transition, transitions
+from dreamjax.experience import rename
 from dreamjax.experience.annotate import Annotation, check_annotation, rule_annotator, success_references
 from dreamjax.experience.format import (
     ExpFormatConfig,
@@ -279,8 +280,10 @@ def build_examples(builder: ExampleBuilder, records: Sequence[TrajectoryRecord],
 
 def build_sft_data(records: Sequence[TrajectoryRecord], builder: ExampleBuilder, retriever: Retriever | None, *,
                    held_out_fraction: float, seed: int = 0, annotations: Mapping[str, Annotation] | None = None,
-                   exclude: str = "episode") -> SftData:
-  """Split, annotate, fill `retriever` (empty) with the training transitions, and build both sides' examples."""
+                   exclude: str = "episode", renamed_copies: int = 0) -> SftData:
+  """Split, annotate, fill `retriever` (empty) with the training transitions, and build both sides' examples; the
+  training side also gets `renamed_copies` copies of its episodes with their items renamed
+  (`dreamjax.experience.rename`), whose neighbours come from the same retriever (never their own episode)."""
   train_records, held_records = split_by_task(records, held_out_fraction, seed)
   if not train_records:
     raise ValueError("build_sft_data: no training records (every task is held out?)")
@@ -290,9 +293,12 @@ def build_sft_data(records: Sequence[TrajectoryRecord], builder: ExampleBuilder,
   train_stats: dict[str, int] = {}
   held_stats: dict[str, int] = {}
   train = build_examples(builder, train_records, notes, retriever, train_stats, exclude)
+  for copy_records, copy_notes in rename.renamed_copies(train_records, notes, renamed_copies, seed):
+    train += build_examples(builder, copy_records, copy_notes, retriever, train_stats, exclude)
   held = build_examples(builder, held_records, notes, retriever, held_stats, exclude)
   stats = {f"train_{k}": v for k, v in train_stats.items()} | {f"held_out_{k}": v for k, v in held_stats.items()}
-  stats |= {"train_episodes": len(train_records), "held_out_episodes": len(held_records),
+  stats |= {"train_episodes": len(train_records), "train_renamed_copies": renamed_copies,
+            "held_out_episodes": len(held_records),
             "train_tasks": len({r.task.task_id for r in train_records}),
             "held_out_tasks": len({r.task.task_id for r in held_records})}
   return SftData(train, held, train_records, held_records, notes, stats)
