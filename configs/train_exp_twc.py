@@ -33,7 +33,8 @@ all 8 rows fit in 512. Training runs 1.3x as many tokens a second, so 6,000 step
 exact match 0.854 on all 985 transitions, 0.883 on the 737 non-stale ones, against 0.813 / 0.840 for 2,400 steps
 plus 1,200 more from that checkpoint (experiments/RESULTS.md, twentieth stop). Item 3's 0.9 is not met: 107 of the
 144 misses are answers that do not parse, an item or action edit naming what the current state or list does not
-hold.
+hold. Renamed copies of the training episodes (`ExpSftConfig.renamed_copies`) copy names better but lowered exact
+match to 0.838: a put's reward follows from the item's real name (twenty-first stop), so they stay off.
 
 The data: the testbed's collection (`dreamjax reproduce --config configs/reproduce_twc.py` writes it first, in
 runs/reproduce/twc/data). The reproduce stage trains this same config on it (tests/test_testbeds.py checks).

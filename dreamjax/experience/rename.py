@@ -20,6 +20,11 @@ names is never its neighbour) and its examples are built like any other. Rewards
 putting an item in its usual place, the renamed item's place is whatever the original's was, which M_exp cannot know
 from the name, just as for a held-out task's unseen item. Built for text-game commands (TextWorld-Express); records
 whose commands carry no items have nothing to rename.
+
+Measured on twc (one copy, the twentieth stop's 6,000-step run otherwise): fewer answers fail to parse (0.083
+against 0.109) and the held-out NLL falls, but exact match fell from 0.854 to 0.838. In twc the reward of a put
+follows from the item's real name, so on renamed items the model learned to hedge it (reward recall 0.806 against
+0.985 on real names), and it calls more valid actions refused. configs/train_exp_twc.py keeps the copies off.
 """
 
 from __future__ import annotations
