@@ -56,7 +56,7 @@ OPEN_LOOP_COLUMNS = [("exact_match", "EM"), ("token_f1", "F1"), ("episode_exact"
 
 
 def evaluate(name: str, checkpoint: Path, base: ExpSftConfig, tv_samples: int, open_loop_steps: int,
-             batch_size: int) -> dict[str, Any]:
+             batch_size: int, retries: int = 0) -> dict[str, Any]:
   """One-step and open-loop fidelity of the M_exp in `checkpoint` (variant `name`) on the held-out side of `base`'s
   split."""
   meta_path = checkpoint / META_FILE
@@ -89,11 +89,11 @@ def evaluate(name: str, checkpoint: Path, base: ExpSftConfig, tv_samples: int, o
   examples = build_examples(builder, held, notes, retriever, stats)
   predictor = Predictor(model_cfg, params, tokenizer, builder, meta["max_new_tokens"], batch_size, mesh)
   scorer = LogpScorer(model_cfg, batch_size, pad_to=MIN_BUCKET, mesh=mesh)
-  one = one_step(predictor, examples, scorer=scorer, tv_samples=tv_samples, seed=base.seed)
+  one = one_step(predictor, examples, scorer=scorer, tv_samples=tv_samples, seed=base.seed, retries=retries)
   loop = open_loop(predictor, held, notes, retriever, max_steps=open_loop_steps)
   return {"checkpoint": str(checkpoint), "format": meta["format"], "data": stats, "one_step": one["model"],
-          "one_step_copy": one["copy"], "open_loop": loop["model"], "open_loop_copy": loop["copy"],
-          "horizon": loop["horizon"], "rows": one["rows"]}
+          "one_step_copy": one["copy"], "one_step_retried": one.get("retried"), "open_loop": loop["model"],
+          "open_loop_copy": loop["copy"], "horizon": loop["horizon"], "rows": one["rows"]}
 
 
 def _cell(v: Any) -> str:
@@ -108,7 +108,10 @@ def table(results: dict[str, dict[str, Any]]) -> str:
   lines = [f"One step, teacher-forced ({first['one_step']['n']} held-out transitions)", "",
            "| model | " + " | ".join(h for _, h in ONE_STEP_COLUMNS) + " |",
            "|---|" + "---|" * len(ONE_STEP_COLUMNS)]
-  rows = [(name, r["one_step"]) for name, r in results.items()] + [("copy baseline", first["one_step_copy"])]
+  rows = [(name, r["one_step"]) for name, r in results.items()]
+  rows += [(f"{name}, {r['one_step_retried']['retries']} resamples", r["one_step_retried"])
+           for name, r in results.items() if r.get("one_step_retried")]
+  rows += [("copy baseline", first["one_step_copy"])]
   for name, m in rows:
     m = m | ({"eps_P_tf_mean": m.get("eps_P_mean"), "eps_P_tf_max": m.get("eps_P_max"),
               "eps_P_sampled_mean": m.get("eps_P_mean")} if name == "copy baseline" else {})
@@ -147,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--checkpoints", default="", help="name=folder,... of trained variants to score instead")
   p.add_argument("--tv-samples", type=int, default=4, help="samples per transition for the sampled eps_P")
   p.add_argument("--open-loop-steps", type=int, default=12)
+  p.add_argument("--retries", type=int, default=0,
+                 help="also score greedy answers with up to this many resamples of a malformed one (SyntheticEnv's)")
   p.add_argument("--batch-size", type=int, default=16)
   p.add_argument("--out", default="runs/exp_model_quality")
   args = p.parse_args(argv)
@@ -173,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
           print(f"== training {name}", file=sys.stderr, flush=True)
           run(cfg)
       print(f"== scoring {name} ({checkpoint})", file=sys.stderr, flush=True)
-      results[name] = evaluate(name, checkpoint, base, args.tv_samples, args.open_loop_steps, args.batch_size)
+      results[name] = evaluate(name, checkpoint, base, args.tv_samples, args.open_loop_steps, args.batch_size,
+                               args.retries)
   except (ValueError, FileNotFoundError) as e:
     print(f"exp_model_quality: {e}", file=sys.stderr)
     return 2

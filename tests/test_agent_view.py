@@ -32,8 +32,8 @@ MAX_NEW = 256
 
 class ScriptedSampler:
   """Stands in for M_exp's jitted sampler: in call c, each row r given a budget writes `script(c, r)` and the
-  end-of-turn token (cut to the budget); rows without one write nothing. Each call's prompts, budgets and key data
-  are kept in `calls`."""
+  end-of-turn token (cut to the budget); rows without one write nothing. Each call's prompts, budgets, temperatures
+  and key data are kept in `calls`."""
 
   def __init__(self, tokenizer: Tokenizer, script: Callable[[int, int], str], max_new_tokens: int):
     self.tokenizer, self.script, self.max_new_tokens = tokenizer, script, max_new_tokens
@@ -50,7 +50,7 @@ class ScriptedSampler:
         kept = ids[:budget[r]]
         out[r, :len(kept)], lengths[r], stopped[r] = kept, len(kept), len(kept) == len(ids)
     self.calls.append({"tokens": np.asarray(tokens), "mask": np.asarray(mask), "budget": budget,
-                       "keys": np.asarray(jax.random.key_data(keys))})
+                       "temperature": np.asarray(sp.temperature), "keys": np.asarray(jax.random.key_data(keys))})
     return SampleOutput(tokens=out, logps=np.zeros(out.shape, np.float32), lengths=lengths, stopped=stopped)
 
   def compilations(self) -> int:

@@ -258,6 +258,14 @@ def test_m_exp_may_load_in_bfloat16(parts, tmp_path):
     _config(parts, tmp_path, exp_dtype="float16")
 
 
+def test_m_exp_decoding_settings_are_checked():
+  """Greedy M_exp (exp_temperature 0) is allowed, with resamples at a temperature of their own; negatives are not."""
+  assert DreamGymConfig(exp_temperature=0.0, exp_retry_temperature=1.0).exp_retry_temperature == 1.0
+  for kw in ({"exp_temperature": -1.0}, {"exp_retry_temperature": -0.5}, {"exp_retries": -1}):
+    with pytest.raises(ValueError, match="must be >= 0"):
+      DreamGymConfig(**kw)
+
+
 def test_write_back_keeps_the_steps_m_exp_answered():
   """Episode 0's second answer did not parse (M_exp never saw it); M_exp's output for episode 1's last step did not
   parse (an env failure): neither is written back, and the others keep their step index."""

@@ -250,12 +250,35 @@ def test_predictor_output_does_not_depend_on_batch_neighbours(small_model):
   assert alone[0] == mixed[0] and len(mixed) == 6 and predictor.sampler.compilations() <= 3
 
 
+def test_resampling_draws_only_the_malformed_answers_again(small_model):
+  """`Predictor.resample` (SyntheticEnv's retries on held-out examples): a row whose answer parsed keeps it; each other
+  row is drawn again at the retry temperature, up to `retries` times, attempt a of row i as that row alone would be
+  drawn from seed + a; at temperature 0 nothing is drawn again."""
+  records, folder = small_model
+  cfg, params, tok = load_model(folder)
+  builder = ExampleBuilder(tok, FMT, 1024)
+  examples = build_examples(builder, records[:3], annotations_for(records), None, {})[:5]
+  predictor = Predictor(cfg, params, tok, builder, max_new_tokens=8, batch_size=4)
+  prompts, states = [e.prompt for e in examples], [e.transition.state for e in examples]
+  shown = [e.admissible for e in examples]
+  texts, preds = predictor.predict(prompts, states, shown)
+  assert not any(p.ok for p in preds)  # a random model's 8 tokens never parse
+  read = ExpPrediction("s", 0.0, False, False, "", True, "", False)
+  texts[1], preds[1] = "kept", read
+  again, final, attempts = predictor.resample(prompts, states, shown, texts, preds, retries=2, temperature=1.0, seed=5)
+  assert attempts == [3, 1, 3, 3, 3] and final[1] is read and again[1] == "kept"
+  for i in (0, 2, 3, 4):
+    assert again[i] == predictor.generate([prompts[i]], 1.0, seed=7, ids=[i])[0] and not final[i].ok
+  assert predictor.resample(prompts, states, shown, texts, preds, retries=2, temperature=0.0)[2] == [1] * 5
+
+
 # --- training and the CI check ---------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def trained(coin_path, tmp_path_factory) -> tuple[ExpSftConfig, dict]:
-  cfg = load_config(TINY, [f"trajectories={coin_path}", f"out_dir={tmp_path_factory.mktemp('exp_sft')}"])
+  cfg = load_config(TINY, [f"trajectories={coin_path}", f"out_dir={tmp_path_factory.mktemp('exp_sft')}",
+                           "eval_retries=2"])
   with optimized():  # hundreds of steps: worth XLA's full optimisation
     return cfg, run(cfg)
 
@@ -284,24 +307,34 @@ def test_tiny_exp_model_beats_the_copy_baseline_on_held_out_tasks(trained):
   # the lists are learned (the copy baseline has none): F1 0.69-0.78 measured; whole lists exact 0.21-0.41
   assert model["actions_f1"] >= 0.65 and model["actions_exact"] >= 0.15, (model["actions_f1"], model["actions_exact"])
   assert (checkpoint / "tokenizer.json").is_file() and summary["compilations"] == 1
+  # eval_retries: the same greedy answers, the malformed ones drawn again (SyntheticEnv's decoding at temperature 0)
+  retried = summary["held_out_fidelity"]["retried"]
+  assert retried["n"] == model["n"] and retried["retries"] == 2
+  assert retried["exact_match"] >= model["exact_match"] and retried["parse_failure"] <= model["parse_failure"]
+  rows = [json.loads(line) for line in (Path(cfg.out_dir) / "held_out_predictions.jsonl").read_text().splitlines()]
+  assert all(r["attempts"] == 1 and r["retried_exact"] == r["exact"] for r in rows if r["ok"])
+  assert all(1 <= r["attempts"] <= 3 for r in rows)
+  assert sum(r["retried_exact"] for r in rows) == retried["exact_count"]
 
 
 def test_fidelity_script_scores_a_checkpoint_and_prints_its_table(trained, coin_path, tmp_path, capsys):
   cfg, summary = trained
   out = tmp_path / "quality"
   args = ["--config", TINY, "--set", f"trajectories={coin_path}", "--tv-samples", "1", "--open-loop-steps", "3",
-          "--out", str(out)]
+          "--retries", "2", "--out", str(out)]
   assert exp_model_quality.main(args + ["--checkpoints", f"full={summary['checkpoint']}"]) == 2
   assert "trained with reasoning=False, so it is not variant 'full'" in capsys.readouterr().err
   rc = exp_model_quality.main(args + ["--checkpoints", f"no_reasoning={summary['checkpoint']}"])
   printed = capsys.readouterr().out
   assert rc == 0 and "| no_reasoning |" in printed and "| copy baseline |" in printed
+  assert "| no_reasoning, 2 resamples |" in printed
   assert (out / "table.md").read_text().strip() in printed
   plot = (out / "plot.svg").read_text()
   assert "<svg" in plot and "copy baseline" in plot and "steps since the real first state" in plot
   result = json.loads((out / "results.json").read_text())["no_reasoning"]
   one, loop = result["one_step"], result["open_loop"]
   assert one["exact_match"] == summary["held_out_fidelity"]["model"]["exact_match"]
+  assert result["one_step_retried"] == summary["held_out_fidelity"]["retried"]  # the same seed draws the same
   assert 0.0 <= one["eps_P_sampled_mean"] <= one["eps_P_sampled_max"] <= 1.0
   assert 0.0 <= one["eps_P_tf_mean"] <= one["eps_P_tf_max"] <= 1.0
   # At horizon 1 the open-loop prompt is the one-step prompt of each episode's first transition.

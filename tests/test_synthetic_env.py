@@ -262,7 +262,7 @@ def test_prompt_overflow_is_an_env_failure_at_once(random_env, tok, records):
 
 def _scripted(cfg, tok, retriever, records, answers, **kw) -> tuple[SyntheticEnv, ScriptedSampler]:
   """An env whose M_exp writes `answers[call][row]` (rows not listed write nothing: they get no budget)."""
-  env = _env(cfg, None, tok, retriever, records, temperature=1.0, **kw)
+  env = _env(cfg, None, tok, retriever, records, **({"temperature": 1.0} | kw))
   env.sampler = ScriptedSampler(tok, lambda call, row: answers[call][row], MAX_NEW)
   return env, env.sampler
 
@@ -315,13 +315,33 @@ def test_a_row_that_never_parses_ends_as_an_env_failure(cfg, tok, retriever, rec
                            "error": "missing <think>", "attempts": 3}]
   env.reset_stats()
   assert env.failures == []
-  # no retries: with exp_retries=0, or at temperature 0 (greedy decoding would write the same answer again)
-  for kw in ({"exp_retries": 0}, {"temperature": 0.0}):
+  # no retries: with exp_retries=0, or at temperature 0 (greedy decoding would write the same answer again) unless
+  # resamples have a temperature of their own
+  for kw in ({"exp_retries": 0}, {"temperature": 0.0}, {"temperature": 0.0, "retry_temperature": 0.0}):
     env = _env(cfg, None, tok, retriever, records, **({"temperature": 1.0} | kw))
     env.sampler = sampler = ScriptedSampler(tok, lambda call, row: "no tags at all", MAX_NEW)
     env.reset_batch([records[0].task])
     assert env_failed(env.step_batch([records[0].steps[0].action])[0]) and len(sampler.calls) == 1
     assert (env.stats["exp_retries"], env.stats["exp_failures"]) == (0, 1)
+
+
+def test_greedy_answers_are_resampled_at_the_retry_temperature(cfg, tok, retriever, records):
+  """At temperature 0 with a retry temperature, the first answer is greedy and only a malformed row is drawn again,
+  at the retry temperature, in calls of the same shapes; a row that parsed keeps its greedy answer."""
+  good0, good1 = _target(records, 0, 0), _target(records, 1, 0)
+  env, sampler = _scripted(cfg, tok, retriever, records, [{0: "no tags at all", 1: good1}, {0: good0}],
+                           temperature=0.0, retry_temperature=0.7)
+  env.reset_batch([records[0].task, records[1].task])
+  results = env.step_batch([records[0].steps[0].action, records[1].steps[0].action])
+  assert [r.info["exp_attempts"] for r in results] == [2, 1] and not any(env_failed(r) for r in results)
+  assert [r.info["output"] for r in results] == [good0, good1]
+  first, retry = sampler.calls
+  np.testing.assert_array_equal(first["temperature"], [0.0, 0.0])
+  np.testing.assert_allclose(retry["temperature"], [0.7, 0.7])  # row 1 has no budget in the retry
+  np.testing.assert_array_equal(retry["budget"], [MAX_NEW, 0])
+  assert retry["tokens"].shape == first["tokens"].shape
+  with pytest.raises(ValueError, match="retry_temperature must be >= 0"):
+    _env(cfg, None, tok, retriever, records, retry_temperature=-1.0)
 
 
 def _replay_two_rows(cfg, tok, retriever, records, fmt, answers, bad):

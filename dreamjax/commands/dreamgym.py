@@ -79,12 +79,14 @@ class DreamGymConfig:
   reasoning: bool = True  # the M_exp format this run expects (False: the "w/o reasoning" ablation's M_exp)
   replay: bool = True  # False: the "w/o replay" ablation (no retrieval, no write-back)
   curriculum: CurriculumConfig = CurriculumConfig()
-  exp_temperature: float = 1.0
+  exp_temperature: float = 1.0  # 0: greedy M_exp answers
   exp_max_new_tokens: int = 0  # 0: the decode budget recorded in exp_model.json
   exp_prompt_buckets: tuple[int, ...] = ()  # M_exp prompt widths; empty: powers of two up to its max_len
   # Resamples of an M_exp answer that did not parse; a row still unreadable after them ends as an env failure,
   # left out of the update and of write-back (dreamjax/experience/synthetic_env.py).
   exp_retries: int = 2
+  # The temperature of those resamples; None: exp_temperature (so greedy M_exp, exp_temperature 0, never retries).
+  exp_retry_temperature: float | None = None
   # M_exp's copy-speculative decoding (draft_tokens 0: off; the policy's is rl.rollout.speculative). On by default:
   # a next state mostly copies the prompt (experiments/bench/synthetic_env.py, trained tiny M_exp on 2 CPU cores:
   # K=4 1.39x the transitions/s of plain decoding, 3.0 tokens per forward, the same greedy answers).
@@ -98,9 +100,10 @@ class DreamGymConfig:
   out_dir: str = "runs/dreamgym"
 
   def __post_init__(self):
-    if self.seed_tasks < 0 or self.exp_max_new_tokens < 0 or self.exp_temperature <= 0 or self.exp_retries < 0:
-      raise ValueError("DreamGymConfig: seed_tasks >= 0, exp_max_new_tokens >= 0, exp_temperature > 0 and "
-                       "exp_retries >= 0 required")
+    if min(self.seed_tasks, self.exp_max_new_tokens, self.exp_temperature, self.exp_retries,
+           self.exp_retry_temperature or 0) < 0:
+      raise ValueError("DreamGymConfig: seed_tasks, exp_max_new_tokens, exp_temperature, exp_retries and "
+                       "exp_retry_temperature must be >= 0")
     if self.exp_dtype not in ("float32", "bfloat16"):
       raise ValueError(f"DreamGymConfig.exp_dtype must be 'float32' or 'bfloat16', got {self.exp_dtype!r}")
 
@@ -141,6 +144,7 @@ def _run(cfg: DreamGymConfig) -> dict[str, Any]:
                              temperature=cfg.exp_temperature, prompt_buckets=buckets,
                              key=phase_key(root, 0, PHASE_SYNTHETIC), mesh=exp_mesh, tutorials=tutorials,
                              max_steps=rl.rollout.max_turns, exp_retries=cfg.exp_retries,
+                             retry_temperature=cfg.exp_retry_temperature,
                              speculative=cfg.exp_speculative, kv_reuse=cfg.exp_kv_reuse)
     task_sampler = Sampler(exp_cfg, cfg.curriculum.max_new_tokens, pad_id=exp_tok.pad_id, mesh=exp_mesh) \
         if cfg.curriculum.enabled and cfg.curriculum.generate_every else None

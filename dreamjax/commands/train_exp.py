@@ -114,6 +114,9 @@ class ExpSftConfig(RunConfig):
   eval_every: int = 200  # steps between held-out evaluations (0: only at the end)
   eval_examples: int = 64  # held-out examples decoded in periodic evaluations (the final one uses all)
   eval_batch_size: int = 16
+  # The final evaluation also scores M_exp as a SyntheticEnv at temperature 0 serves it: a malformed greedy answer
+  # resampled at temperature 1 up to this many times ("retried"; DreamGymConfig.exp_retries). 0: greedy only.
+  eval_retries: int = 0
   held_out_fraction: float = 0.1  # of tasks
   retrieval_encoder: str = "minilm"  # "minilm" | "backbone"
   retrieval_exclude: str = "episode"  # what a training example's neighbours never share with it: "episode" | "task"
@@ -134,9 +137,9 @@ class ExpSftConfig(RunConfig):
       if getattr(self, name) < 1:
         raise ValueError(f"ExpSftConfig.{name} must be >= 1, got {getattr(self, name)}")
     if min(self.steps, self.epochs, self.eval_every, self.max_new_tokens, self.checkpoint_every,
-           self.renamed_copies) < 0:
-      raise ValueError("ExpSftConfig: steps, epochs, eval_every, max_new_tokens, checkpoint_every and renamed_copies "
-                       "must be >= 0")
+           self.renamed_copies, self.eval_retries) < 0:
+      raise ValueError("ExpSftConfig: steps, epochs, eval_every, max_new_tokens, checkpoint_every, renamed_copies "
+                       "and eval_retries must be >= 0")
     if self.group_rows < 0 or self.group_rows % self.batch_size:
       raise ValueError(f"ExpSftConfig.group_rows must be 0 or a multiple of batch_size ({self.batch_size}), "
                        f"got {self.group_rows}")
@@ -348,11 +351,11 @@ def _train(cfg: ExpSftConfig, run: RunFolder, tracker: Tracker, t0: float) -> di
     final = {}
     if data.held_out:
       predictor.set_params(state.params)
-      res = one_step(predictor, data.held_out, scorer=scorer)
+      res = one_step(predictor, data.held_out, scorer=scorer, seed=cfg.seed, retries=cfg.eval_retries)
       predictor.set_params(None)
-      final = {"model": res["model"], "copy": res["copy"]}
-      tracker.log(total, {f"final_held_out_{k}": v for k, v in res["model"].items() if isinstance(v, int | float)}
-                  | {f"final_held_out_copy_{k}": v for k, v in res["copy"].items() if isinstance(v, int | float)})
+      final = {k: res[k] for k in ("model", "copy", "retried") if k in res}
+      tracker.log(total, {f"final_held_out_{'' if k == 'model' else k + '_'}{name}": v
+                          for k, m in final.items() for name, v in m.items() if isinstance(v, int | float)})
       if tracker.primary:
         with open(out / "held_out_predictions.jsonl", "w", encoding="utf-8") as f:
           for r in res["rows"]:
@@ -369,7 +372,8 @@ def _train(cfg: ExpSftConfig, run: RunFolder, tracker: Tracker, t0: float) -> di
   }
   summary_path = tracker.summary(summary)
   if final:
-    echo(f"held-out one-step exact match {final['model']['exact_match']:.3f} (copy baseline "
+    retried = f", {final['retried']['exact_match']:.3f} with {cfg.eval_retries} resamples" if "retried" in final else ""
+    echo(f"held-out one-step exact match {final['model']['exact_match']:.3f}{retried} (copy baseline "
          f"{final['copy']['exact_match']:.3f}) over {final['model']['n']} transitions")
   echo(f"checkpoint: {checkpoint}; summary: {summary_path}")
   return summary

@@ -87,7 +87,8 @@ class Predictor:
 
   Prompts are left-padded to a few bucket lengths and grouped into batches of exactly `batch_size` rows (short
   groups repeat their last row), so the sampler compiles once per bucket. Row i of a call draws from
-  fold_in(key(seed), i), so a prompt's sample does not depend on its batch neighbours.
+  fold_in(key(seed), ids[i]) (ids: the rows' indices unless given), so a prompt's sample does not depend on its batch
+  neighbours.
   """
 
   def __init__(self, model_cfg: ModelConfig, params: Any, tokenizer: Tokenizer, builder: ExampleBuilder,
@@ -107,8 +108,10 @@ class Predictor:
     shardings = None if self.sampler.mesh is None else self.sampler.param_shardings()
     self.params = None if params is None else sampling_copy(params, self.model_cfg, shardings)
 
-  def generate(self, prompts: Sequence[np.ndarray], temperature: float = 0.0, seed: int = 0) -> list[str]:
+  def generate(self, prompts: Sequence[np.ndarray], temperature: float = 0.0, seed: int = 0,
+               ids: Sequence[int] | None = None) -> list[str]:
     """Decoded outputs (without the stop token), one per prompt."""
+    ids = range(len(prompts)) if ids is None else ids
     out: list[str] = [""] * len(prompts)
     groups: dict[int, list[int]] = collections.defaultdict(list)
     for i, p in enumerate(prompts):
@@ -119,7 +122,7 @@ class Predictor:
         chunk = rows[start:start + self.batch_size]
         padded = chunk + [chunk[-1]] * (self.batch_size - len(chunk))
         tokens, mask = left_pad([prompts[i] for i in padded], self.batch_size, width, self.tokenizer.pad_id)
-        keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(np.asarray(padded, np.uint32))
+        keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(np.asarray([ids[i] for i in padded], np.uint32))
         sp = sampling_params(self.batch_size, self.max_new_tokens, temperature, stop=self.stop)
         res = to_host(self.sampler(self.params, tokens, mask, keys, sp))  # gathers rows sharded over other processes
         for j, i in enumerate(chunk):
@@ -128,10 +131,28 @@ class Predictor:
     return out
 
   def predict(self, prompts: Sequence[np.ndarray], states: Sequence[str], admissible: Sequence[Sequence[str]],
-              temperature: float = 0.0, seed: int = 0) -> tuple[list[str], list[ExpPrediction]]:
+              temperature: float = 0.0, seed: int = 0, ids: Sequence[int] | None = None
+              ) -> tuple[list[str], list[ExpPrediction]]:
     """Greedy (or sampled) answers to `prompts`, parsed against each prompt's current state and admissible actions."""
-    texts = self.generate(prompts, temperature, seed)
+    texts = self.generate(prompts, temperature, seed, ids)
     return texts, [parse_output(t, self.fmt, s, a) for t, s, a in zip(texts, states, admissible, strict=True)]
+
+  def resample(self, prompts: Sequence[np.ndarray], states: Sequence[str], admissible: Sequence[Sequence[str]],
+               texts: Sequence[str], preds: Sequence[ExpPrediction], retries: int, temperature: float = 1.0,
+               seed: int = 0) -> tuple[list[str], list[ExpPrediction], list[int]]:
+    """What SyntheticEnv's retries make of a first answer (`texts`, `preds`): each malformed answer is drawn again
+    at `temperature`, up to `retries` times (attempt a of row i from fold_in(key(seed + a), i)). Returns the final
+    texts, predictions and attempts per row."""
+    texts, preds, attempts = list(texts), list(preds), [1] * len(preds)
+    for attempt in range(1, retries + 1 if temperature > 0 else 1):  # greedy would write the same answer again
+      bad = [i for i, p in enumerate(preds) if not p.ok]
+      if not bad:
+        break
+      again, parsed = self.predict([prompts[i] for i in bad], [states[i] for i in bad], [admissible[i] for i in bad],
+                                   temperature, seed + attempt, ids=bad)
+      for i, t, p in zip(bad, again, parsed):
+        texts[i], preds[i], attempts[i] = t, p, attempt + 1
+    return texts, preds, attempts
 
 
 # --- scoring ---------------------------------------------------------------------------------------------------------
@@ -272,11 +293,13 @@ def teacher_forced(scorer: LogpScorer, params: Any, examples: Sequence[ExpExampl
 
 
 def one_step(predictor: Predictor, examples: Sequence[ExpExample], *, scorer: LogpScorer | None = None,
-             tv_samples: int = 0, seed: int = 0) -> dict[str, Any]:
+             tv_samples: int = 0, seed: int = 0, retries: int = 0, retry_temperature: float = 1.0) -> dict[str, Any]:
   """Teacher-forced one-step fidelity of M_exp and of the copy baseline on `examples`.
 
   Returns {"model": metrics, "copy": metrics, "rows": per-example predictions}; with a `scorer`, the model's metrics
-  include the teacher-forced NLLs and eps_P bound; with `tv_samples` n > 0, the sampled eps_P estimate.
+  include the teacher-forced NLLs and eps_P bound; with `tv_samples` n > 0, the sampled eps_P estimate. "model" scores
+  the greedy answers; with `retries` > 0, "retried" scores what SyntheticEnv makes of them at temperature 0 with that
+  many resamples at `retry_temperature` (`Predictor.resample`), and each row gains its attempts and exact match.
   """
   truths = [e.transition for e in examples]
   prompts = [e.prompt for e in examples]
@@ -284,7 +307,8 @@ def one_step(predictor: Predictor, examples: Sequence[ExpExample], *, scorer: Lo
   shown = [e.admissible for e in examples]
   texts, preds = predictor.predict(prompts, states, shown)
   reveal = reveal_mask(truths, predictor.fmt)
-  model = score(truths, preds, [e.next_admissible for e in examples] if predictor.fmt.actions else None, reveal)
+  next_lists = [e.next_admissible for e in examples] if predictor.fmt.actions else None
+  model = score(truths, preds, next_lists, reveal)
   copy = score(truths, [copy_prediction(t) for t in truths], reveal=reveal)
   if examples:
     tv_copy = np.array([t.next_state != t.state for t in truths], np.float64)
@@ -302,7 +326,14 @@ def one_step(predictor: Predictor, examples: Sequence[ExpExample], *, scorer: Lo
            "true_next_state": t.next_state, "output": text, "ok": p.ok, "error": p.error,
            "exact": p.next_state == t.next_state}
           for t, text, p in zip(truths, texts, preds)]
-  return {"model": model, "copy": copy, "rows": rows}
+  out = {"model": model, "copy": copy, "rows": rows}
+  if retries > 0:
+    _, again, attempts = predictor.resample(prompts, states, shown, texts, preds, retries, retry_temperature, seed)
+    out["retried"] = score(truths, again, next_lists, reveal) | {"retries": retries,
+                                                                 "retry_temperature": retry_temperature}
+    for row, t, p, a in zip(rows, truths, again, attempts):
+      row |= {"attempts": a, "retried_exact": p.next_state == t.next_state}
+  return out
 
 
 # --- open loop -------------------------------------------------------------------------------------------------------

@@ -25,7 +25,10 @@ because leaving failed episodes out selects: whether M_exp's answer parses depen
 excluding every such episode conditions the update on M_exp succeeding. Measured on `make demo` when every malformed
 answer was an env failure at once, the DreamGym policy collapsed (held-out success 0.50 -> 0.00). With resampling,
 only the episodes on which M_exp fails on every attempt are left out.
-At temperature 0 there are no retries (greedy decoding writes the same answer again). A prompt that does not fit the
+Resamples draw at `retry_temperature` (None: the env's `temperature`). So at temperature 0 the first answer is greedy
+and, with a retry temperature above 0, only a malformed one is sampled again; with none there are no retries (greedy
+decoding writes the same answer again). On twc's held-out transitions greedy-then-resampled answers are exact more
+often than sampled ones (experiments/RESULTS.md, twenty-second stop). A prompt that does not fit the
 largest bucket first loses history (oldest first), then retrieved examples (last first); if the current state and
 action alone are still too long, the row ends as an env failure at once (`stats["overflows"]` and `exp_failures`;
 resampling the same prompt cannot fix it). Reset checks that every initial state fits, so that path is only reached
@@ -171,7 +174,8 @@ class SyntheticEnv:
                *, initial_states: Mapping[str, Observation], max_new_tokens: int = 512, temperature: float = 1.0,
                top_p: float = 1.0, top_k: int = 0, prompt_buckets: Sequence[int] = (1024, 2048, 4096),
                key: jax.Array, mesh: jax.sharding.Mesh | None = None, tutorials: Mapping[str, str] | None = None,
-               max_steps: int = 50, exp_retries: int = 2, exclude_episodes: Mapping[str, str] | None = None,
+               max_steps: int = 50, exp_retries: int = 2, retry_temperature: float | None = None,
+               exclude_episodes: Mapping[str, str] | None = None,
                speculative: SpeculativeConfig | None = None, kv_reuse: bool = False):
     if tokenizer.chat_format is None:
       raise ValueError("SyntheticEnv: the tokenizer has no chat template, so prompts cannot be built")
@@ -190,8 +194,9 @@ class SyntheticEnv:
       raise ValueError("SyntheticEnv: the format has no actions block (ExpFormatConfig.actions=False), so its "
                        "observations could not list the admissible actions the real env shows every turn; train "
                        "M_exp with format.actions=true")
-    if exp_retries < 0:
-      raise ValueError(f"SyntheticEnv: exp_retries must be >= 0, got {exp_retries}")
+    if exp_retries < 0 or temperature < 0 or (retry_temperature or 0) < 0:
+      raise ValueError(f"SyntheticEnv: exp_retries, temperature and retry_temperature must be >= 0, got {exp_retries}, "
+                       f"{temperature} and {retry_temperature}")
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
       key = jax.random.wrap_key_data(key)
     self.model_cfg, self.params, self.tokenizer, self.fmt, self.retriever = model_cfg, params, tokenizer, fmt, retriever
@@ -199,6 +204,7 @@ class SyntheticEnv:
     self.exclude_episodes = dict(exclude_episodes or {})
     self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
     self.prompt_buckets, self.key, self.max_steps, self.exp_retries = buckets, key, max_steps, exp_retries
+    self.retry_temperature = temperature if retry_temperature is None else retry_temperature
     self.sampler = Sampler(model_cfg, max_new_tokens, pad_id=tokenizer.pad_id, mesh=mesh, speculative=speculative)
     self.kv_reuse = kv_reuse
     self._reuse: KVReuse | None = None
@@ -338,7 +344,7 @@ class SyntheticEnv:
     if pending:
       width = next(b for b in self.prompt_buckets if b >= max(len(p) for p in fitting.values()))
       keys = _ROW_KEYS(self._batch_key, call, n)
-      retries = self.exp_retries if self.temperature > 0 else 0  # greedy decoding would write the same answer
+      retries = self.exp_retries if self.retry_temperature > 0 else 0  # greedy would write the same answer
       for attempt in range(retries + 1):
         if not pending:
           break
@@ -350,6 +356,8 @@ class SyntheticEnv:
         budget = np.zeros(n, np.int32)
         budget[list(pending)] = self.max_new_tokens
         sp = self._sp.replace(max_new_tokens=jnp.asarray(budget))
+        if attempt:  # a traced per-row array: another temperature compiles nothing new
+          sp = sp.replace(temperature=jnp.full_like(sp.temperature, self.retry_temperature))
         # to_host: with several processes the rows are sharded over all of them, and every process needs every row
         before = self._reuse.prefilled if self._reuse is not None else 0
         reuse = {"reuse": self._reuse} if self._reuse is not None else {}
