@@ -147,7 +147,7 @@ def test_initial_states_and_task_lookup(cfg, random_params, tok, retriever, reco
     SyntheticEnv(cfg, random_params, tok, dataclasses.replace(FMT, actions=False), retriever,
                  initial_states=initial_states_from(records), prompt_buckets=BUCKETS, max_new_tokens=MAX_NEW,
                  key=jax.random.key(0))
-  with pytest.raises(ValueError, match="exp_retries must be >= 0"):
+  with pytest.raises(ValueError, match="exp_retries, temperature and retry_temperature must be >= 0"):
     _env(cfg, random_params, tok, retriever, records, exp_retries=-1)
   with pytest.raises(ValueError, match="call reset_batch first"):
     _env(cfg, random_params, tok, retriever, records).step_batch(["x"])
@@ -208,8 +208,9 @@ def test_malformed_outputs_are_retried_then_env_failures(random_env, tok, retrie
   assert (s["exp_retries"], s["exp_failures"]) == (6, 3)
   assert s["generated_tokens"] == sum(r.info["generated_tokens"] for r in again)
   assert s["mean_generated_tokens"] == s["generated_tokens"] / 3
-  # the retries reuse the first call's shapes: one compilation
-  assert s["retrieval_s"] > 0 and s["prompt_s"] > 0 and s["sample_s"] > 0 and s["compilations"] == 1
+  # a retry packs the failed rows: programs for the batch's 3 rows, for the first call's 2 failed rows and for the
+  # second call's 1
+  assert s["retrieval_s"] > 0 and s["prompt_s"] > 0 and s["sample_s"] > 0 and s["compilations"] == 3
 
 
 def test_reproducible_from_the_key_and_rows_independent(random_env, cfg, random_params, tok, retriever, records):
@@ -261,7 +262,8 @@ def test_prompt_overflow_is_an_env_failure_at_once(random_env, tok, records):
 
 
 def _scripted(cfg, tok, retriever, records, answers, **kw) -> tuple[SyntheticEnv, ScriptedSampler]:
-  """An env whose M_exp writes `answers[call][row]` (rows not listed write nothing: they get no budget)."""
+  """An env whose M_exp writes `answers[call][row]` (rows not listed write nothing: they get no budget). A retry call
+  packs the rows it resamples into its first rows, in order: its `row` is that slot."""
   env = _env(cfg, None, tok, retriever, records, **({"temperature": 1.0} | kw))
   env.sampler = ScriptedSampler(tok, lambda call, row: answers[call][row], MAX_NEW)
   return env, env.sampler
@@ -275,21 +277,24 @@ def _target(records, e: int, j: int) -> str:
 def test_a_malformed_answer_is_resampled_with_a_fresh_key(cfg, tok, retriever, records):
   good0, good1 = _target(records, 0, 0), _target(records, 1, 0)
   env, sampler = _scripted(cfg, tok, retriever, records,
-                           [{0: "<next_state>\ncut off", 1: good1}, {0: good0}])
+                           [{0: good0, 1: "<next_state>\ncut off"}, {0: good1}])
   env.reset_batch([records[0].task, records[1].task], exclude_episodes=[r.episode_id for r in records[:2]])
   results = env.step_batch([records[0].steps[0].action, records[1].steps[0].action])
   for r, rec in zip(results, records):  # both answers read: the recorded next state and its admissible actions
     s = rec.steps[0]
     assert (r.observation.state, r.observation.admissible, r.done) == (s.next_state, rec.steps[1].admissible, False)
     assert "exp_error" not in r.info and not env_failed(r)
-  assert [r.info["exp_attempts"] for r in results] == [2, 1] and results[0].info["output"] == good0
+  assert [r.info["exp_attempts"] for r in results] == [1, 2] and results[1].info["output"] == good1
   first, retry = sampler.calls
-  # the retry resamples only row 0, with the first call's shapes and prompt, and the row key folded with attempt 1
-  np.testing.assert_array_equal(retry["budget"], [MAX_NEW, 0])
-  assert retry["tokens"].shape == first["tokens"].shape
-  np.testing.assert_array_equal(retry["tokens"][0], first["tokens"][0])
-  row_key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(jax.random.key(0), 0), 0), 0)
-  np.testing.assert_array_equal(first["keys"][0], jax.random.key_data(row_key))
+  # the retry resamples only row 1, packed into a call of one row with the first call's prompt width, its prompt,
+  # and its key folded with attempt 1
+  np.testing.assert_array_equal(first["budget"], [MAX_NEW, MAX_NEW])
+  np.testing.assert_array_equal(retry["budget"], [MAX_NEW])
+  assert retry["tokens"].shape == (1, first["tokens"].shape[1])
+  np.testing.assert_array_equal(retry["tokens"][0], first["tokens"][1])
+  np.testing.assert_array_equal(retry["mask"][0], first["mask"][1])
+  row_key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(jax.random.key(0), 0), 0), 1)
+  np.testing.assert_array_equal(first["keys"][1], jax.random.key_data(row_key))
   np.testing.assert_array_equal(retry["keys"][0], jax.random.key_data(jax.random.fold_in(row_key, 1)))
   s = env.stats
   assert (s["parse_failures"], s["exp_retries"], s["exp_failures"], s["steps"]) == (1, 1, 0, 2)
@@ -337,9 +342,8 @@ def test_greedy_answers_are_resampled_at_the_retry_temperature(cfg, tok, retriev
   assert [r.info["output"] for r in results] == [good0, good1]
   first, retry = sampler.calls
   np.testing.assert_array_equal(first["temperature"], [0.0, 0.0])
-  np.testing.assert_allclose(retry["temperature"], [0.7, 0.7])  # row 1 has no budget in the retry
-  np.testing.assert_array_equal(retry["budget"], [MAX_NEW, 0])
-  assert retry["tokens"].shape == first["tokens"].shape
+  np.testing.assert_allclose(retry["temperature"], [0.7])  # row 0 alone
+  np.testing.assert_array_equal(retry["tokens"][0], first["tokens"][0])
   with pytest.raises(ValueError, match="retry_temperature must be >= 0"):
     _env(cfg, None, tok, retriever, records, retry_temperature=-1.0)
 
@@ -348,7 +352,7 @@ def _replay_two_rows(cfg, tok, retriever, records, fmt, answers, bad):
   """Steps the first two records' first two actions through a SyntheticEnv whose M_exp answers `answers[j][row]`,
   except row 1's second answer, which is `bad` on every attempt (it is retried twice); returns (both steps' results,
   the env)."""
-  env, _ = _scripted(cfg, tok, retriever, records, [answers[0], {0: answers[1][0], 1: bad}, {1: bad}, {1: bad}],
+  env, _ = _scripted(cfg, tok, retriever, records, [answers[0], {0: answers[1][0], 1: bad}, {0: bad}, {0: bad}],
                      fmt=fmt)
   env.reset_batch([r.task for r in records[:2]])
   return [env.step_batch([r.steps[j].action for r in records[:2]]) for j in (0, 1)], env

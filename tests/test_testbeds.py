@@ -76,7 +76,7 @@ def test_twc_trains_and_scores_on_disjoint_games_of_one_fold(variant):
   assert cfg.exp.format.reasoning and cfg.dreamgym.reasoning and "no_reasoning" in cfg.ablations
   # M_exp answers greedy, a malformed answer resampled; its final held-out check scores that same decoding
   assert (cfg.dreamgym.exp_temperature, cfg.dreamgym.exp_retry_temperature) == (0.0, 1.0)
-  assert cfg.exp.eval_retries == cfg.dreamgym.exp_retries == 2
+  assert cfg.exp.eval_retries == cfg.dreamgym.exp_retries == 8
   b = cfg.budgets
   assert (b.dpo, b.real_rl, b.s2r * 16) == (2 * b.sft, 4 * b.sft, b.real_rl)
   assert cfg.real.agent == cfg.sft.agent == cfg.dpo.agent == cfg.dreamgym.rl.agent == cfg.eval.agent

@@ -11,11 +11,13 @@ The rollout engine drives it exactly like a real env: `reset_batch(tasks)` gives
    prompt width is padded up to one of `prompt_buckets`, so the sampler compiles once per (rows, bucket). Rows not
    stepped get a one-token dummy prompt and a budget of 0 tokens. Sampling stops at the chat end-of-turn (or eos);
 4. parsing: the output, decoded without its stop token, goes through `parse_output`, which is total; rows whose
-   output did not parse are sampled again (below), in further calls of the same shapes.
+   output did not parse are sampled again (below), in further calls.
 
 Retry, then mask. A malformed output is resampled: the row's answer is drawn again, with a fresh key
-(`fold_in(row key, attempt)`), up to `exp_retries` times in the same `step_batch` (only the failed rows get a budget
-in the retry call, which has the first call's shapes, so it compiles nothing new); `stats["parse_failures"]` counts
+(`fold_in(row key, attempt)`), up to `exp_retries` times in the same `step_batch`. A retry call holds only the failed
+rows, packed into the fewest rows (a power of two) that hold them, with the first call's prompt width: a batch whose
+one malformed row is drawn again decodes one row, not the batch (with KV reuse the rows keep their places and
+the batch's shape). `stats["parse_failures"]` counts
 every attempt that did not parse and `stats["exp_retries"]` every resample. A row still malformed after its retries
 ends its episode as an env failure (dreamjax.envs.base.ENV_ERROR, a message starting "experience model:", plus
 `info["exp_error"]`; `stats["exp_failures"]`, and `failures` keeps the prompt's state, the action, the last answer
@@ -350,28 +352,37 @@ class SyntheticEnv:
           break
         stats["exp_retries"] += len(pending) if attempt else 0
         t0 = time.perf_counter()
-        # Every attempt has the first one's shapes (rows, width): retries compile nothing new. Rows not sampled keep
-        # a dummy prompt and no budget.
-        tokens, mask = left_pad(pending, n, width, self.tokenizer.pad_id)
-        budget = np.zeros(n, np.int32)
-        budget[list(pending)] = self.max_new_tokens
-        sp = self._sp.replace(max_new_tokens=jnp.asarray(budget))
-        if attempt:  # a traced per-row array: another temperature compiles nothing new
+        # The first call has all n rows. A retry packs the rows still pending into the fewest rows, a power of two,
+        # that hold them (slot j holds row order[j]), so resampling 2 rows of 64 decodes 2 rows, not 64, at the cost
+        # of at most log2(n) more programs. With KV reuse every call keeps the n rows in place: a row's cache lives
+        # in its batch row. Rows not sampled get a dummy prompt and no budget.
+        full = attempt == 0 or self._reuse is not None
+        rows = n if full else min(n, 1 << (len(pending) - 1).bit_length())
+        order = list(range(n)) if full else sorted(pending)
+        slot = {i: j for j, i in enumerate(order)}
+        tokens, mask = left_pad({slot[i]: p for i, p in pending.items()}, rows, width, self.tokenizer.pad_id)
+        budget = np.zeros(rows, np.int32)
+        budget[[slot[i] for i in pending]] = self.max_new_tokens
+        sp = (self._sp if full else jax.tree.map(lambda x, r=rows: x[:r], self._sp)).replace(
+            max_new_tokens=jnp.asarray(budget))
+        row_keys = keys
+        if attempt:  # temperature is a traced per-row array: another one compiles nothing new
           sp = sp.replace(temperature=jnp.full_like(sp.temperature, self.retry_temperature))
+          row_keys = _RETRY_KEYS(keys, attempt)[np.asarray(order + [order[0]] * (rows - len(order)))]
         # to_host: with several processes the rows are sharded over all of them, and every process needs every row
         before = self._reuse.prefilled if self._reuse is not None else 0
         reuse = {"reuse": self._reuse} if self._reuse is not None else {}
-        out = to_host(self.sampler(self.params, tokens, mask, keys if attempt == 0 else _RETRY_KEYS(keys, attempt),
-                                   sp, **reuse))
+        out = to_host(self.sampler(self.params, tokens, mask, row_keys, sp, **reuse))
         prompt_tokens = sum(len(p) for p in pending.values())
         stats["prompt_tokens"] += prompt_tokens
         stats["prefilled_tokens"] += self._reuse.prefilled - before if self._reuse is not None else prompt_tokens
         t1 = time.perf_counter()
         stats["sample_s"] += t1 - t0
-        count_speculation(stats, out, list(pending))
+        count_speculation(stats, out, [slot[i] for i in pending])
         for i in pending:
-          length, ended = int(out.lengths[i]), bool(out.stopped[i])
-          ids = np.asarray(out.tokens[i, :length])
+          j = slot[i]
+          length, ended = int(out.lengths[j]), bool(out.stopped[j])
+          ids = np.asarray(out.tokens[j, :length])
           texts[i] = self.tokenizer.decode(ids[:-1] if ended else ids)
           generated[i] += length
           stopped[i], attempts[i] = ended, attempt + 1
