@@ -3,12 +3,14 @@
 Each process is started with 4 fake CPU devices; every command joins them (through `DistributedConfig`'s environment
 variables, as a launcher would set them) into one 8-device mesh. Both run the same program on the same seeds and
 data, four commands in a row (one start-up and one `jax.distributed` cluster for all of them):
-1. `dreamjax train-exp` (`exp_config`): M_exp SFT on the warm start's offline data, into OUT_ROOT/exp;
+1. `dreamjax train-exp` (`exp_config`): a few M_exp SFT steps on the warm start's offline data, into OUT_ROOT/exp;
 1b. `dreamjax train-policy` (`policy_config`): three SFT steps of the warm start on that data, into OUT_ROOT/policy;
 2. `dreamjax rl` (`dist_config`): two GRPO iterations on real TextWorld-Express, into OUT_ROOT/run;
-3. `dreamjax dreamgym` (`dreamgym_config`): two GRPO iterations inside the experience model of 1. (the
-   single-process reference waits for it and uses it too), with the curriculum, M_task and replay write-back,
-   evaluated on real TextWorld-Express, into OUT_ROOT/dreamgym.
+3. `dreamjax dreamgym` (`dreamgym_config`): two GRPO iterations inside EXP_MODEL, with the curriculum, M_task and
+   replay write-back, evaluated on real TextWorld-Express, into OUT_ROOT/dreamgym.
+EXP_MODEL is an M_exp trained long enough that some of its answers parse (`exp_model_config`), by the single-process
+reference: trained in the cluster, its 120 steps took 2.5x as long as alone (every step's weights and gradients cross
+the two processes), for nothing the few steps of 1. do not already check. The cluster waits for it before 3.
 Every process reports, as JSON in REPORT: its process index and count, the devices it saw, each command's summary,
 for rl and dreamgym the final checkpoint's metadata and a checksum of its arrays (restored and gathered, so each
 process checks what the cluster holds), and every file or folder under OUT_ROOT that it created, wrote, renamed or
@@ -24,10 +26,10 @@ The config functions are the test's only configs: the distributed runs and the s
 mesh leaving a process out is refused with a clear error.
 
 Usage (with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID set):
-  python tests/distributed_child.py WARM_START_FOLDER OFFLINE_DATA OUT_ROOT REPORT
+  python tests/distributed_child.py WARM_START_FOLDER OFFLINE_DATA OUT_ROOT EXP_MODEL REPORT
   python tests/distributed_child.py helpers REPORT
-Usage (alone, with 8 fake devices):
-  python tests/distributed_child.py reference WARM_START_FOLDER OFFLINE_DATA OUT_ROOT DIST_OUT_ROOT REPORT
+Usage (alone, with 8 fake devices; it trains EXP_MODEL into OUT_ROOT/exp_model first):
+  python tests/distributed_child.py reference WARM_START_FOLDER OFFLINE_DATA OUT_ROOT REPORT
 """
 
 from __future__ import annotations
@@ -73,15 +75,20 @@ def dist_config(warm_start: str | Path, out: str | Path) -> RLConfig:
                   track=TrackConfig(progress=False))
 
 
-def exp_config(data: str | Path, out: str | Path) -> ExpSftConfig:
-  """M_exp SFT (configs/train_exp_twx.py:tiny) over all 8 devices; no held-out side, so no decoding. Enough steps
-  that some of its answers parse in the DreamGym run: an answer that never parses ends its episode as an env failure,
-  and a run whose every episode failed would not update."""
+def exp_config(data: str | Path, out: str | Path, steps: int = 8) -> ExpSftConfig:
+  """M_exp SFT (configs/train_exp_twx.py:tiny) over all 8 devices; no held-out side, so no decoding."""
   cfg = load_config(str(ROOT / "configs" / "train_exp_twx.py") + ":tiny",
-                    [f"trajectories={data}", f"out_dir={out}", "steps=120", "optim.total_steps=120", "eval_every=0",
-                     "held_out_fraction=0", "max_len=512", "log_every=60",
+                    [f"trajectories={data}", f"out_dir={out}", f"steps={steps}",
+                     f"optim.warmup_steps={min(10, steps // 4)}", f"optim.total_steps={steps}", "eval_every=0",
+                     "held_out_fraction=0", "max_len=512", f"log_every={steps // 2}",
                      "model.tiny.max_position_embeddings=640"])  # DreamGym's 480-token prompts + 128-token answers
   return dataclasses.replace(cfg, mesh=MeshConfig(data=2, fsdp=4), track=TrackConfig(progress=False))
+
+
+def exp_model_config(data: str | Path, out: str | Path) -> ExpSftConfig:
+  """The DreamGym runs' M_exp: enough steps that some of its answers parse (an answer that never parses ends its
+  episode as an env failure, and a run whose every episode failed would not update)."""
+  return exp_config(data, out, steps=120)
 
 
 def dreamgym_config(warm_start: str | Path, data: str | Path, exp_model: str | Path, out: str | Path
@@ -152,7 +159,22 @@ def _final_checkpoint(folder: Path) -> tuple[dict, dict[str, str]]:
                 for p, x in leaves}
 
 
-def main(warm: str, data: str, root: str, report: str) -> None:
+def _wait_for(exp_model: Path) -> None:
+  """Until the reference has written EXP_MODEL (exp_model.json comes last); the test kills this process if the
+  reference fails."""
+  import time
+
+  from dreamjax.experience.exp_model import META_FILE
+
+  while True:
+    try:
+      json.loads((exp_model / META_FILE).read_text())
+      return
+    except (FileNotFoundError, json.JSONDecodeError):
+      time.sleep(0.5)
+
+
+def main(warm: str, data: str, root: str, exp_model: str, report: str) -> None:
   out = Path(root).absolute()
   writes = _writes(out)
   import jax
@@ -166,7 +188,7 @@ def main(warm: str, data: str, root: str, report: str) -> None:
   result = {"train_exp": {"summary": train_exp(exp_config(data, out / "exp"))},
             "train_policy": {"summary": train_policy(policy_config(warm, data, out / "policy"))},
             "rl": {"summary": rl(dist_config(warm, out / "run"))}}
-  exp_model = result["train_exp"]["summary"]["checkpoint"]
+  _wait_for(Path(exp_model))
   result["dreamgym"] = {"summary": dreamgym(dreamgym_config(warm, data, exp_model, out / "dreamgym"))}
   for name, folder in (("rl", "run"), ("dreamgym", "dreamgym")):
     result[name]["meta"], result[name]["checksums"] = _final_checkpoint(out / folder)
@@ -176,29 +198,20 @@ def main(warm: str, data: str, root: str, report: str) -> None:
       "writes": sorted(set(writes))}, sort_keys=True, default=str))
 
 
-def reference(warm: str, data: str, root: str, dist_root: str, report: str) -> None:
-  """The single-process references of `main`'s four commands (one process, 8 devices, same configs), into
-  ROOT/{exp,policy,run,dreamgym}. Its DreamGym run waits for the cluster's M_exp (DIST_ROOT/exp), so both DreamGym runs use
-  the same experience model; the test kills this process if the cluster fails first."""
-  import time
-
+def reference(warm: str, data: str, root: str, report: str) -> None:
+  """First the DreamGym runs' M_exp (`exp_model_config`, into ROOT/exp_model, which the cluster waits for); then the
+  single-process references of `main`'s four commands (one process, 8 devices, same configs), into
+  ROOT/{exp,policy,run,dreamgym}."""
   from dreamjax.commands.dreamgym import run as dreamgym
   from dreamjax.commands.rl import run as rl
   from dreamjax.commands.train_exp import run as train_exp
   from dreamjax.commands.train_policy import run as train_policy
-  from dreamjax.experience.exp_model import META_FILE
 
   out = Path(root)
+  exp_model = train_exp(exp_model_config(data, out / "exp_model"))["checkpoint"]
   result = {"train_exp": train_exp(exp_config(data, out / "exp")),
             "train_policy": train_policy(policy_config(warm, data, out / "policy")),
             "rl": rl(dist_config(warm, out / "run"))}
-  exp_model = Path(dist_root) / "exp" / "checkpoint"
-  while True:  # process 0 writes exp_model.json last
-    try:
-      json.loads((exp_model / META_FILE).read_text())
-      break
-    except (FileNotFoundError, json.JSONDecodeError):
-      time.sleep(0.5)
   result["dreamgym"] = dreamgym(dreamgym_config(warm, data, exp_model, out / "dreamgym"))
   Path(report).write_text(json.dumps(result, sort_keys=True, default=str))
 
@@ -271,6 +284,6 @@ if __name__ == "__main__":
   if sys.argv[1] == "helpers":
     helpers(sys.argv[2])
   elif sys.argv[1] == "reference":
-    reference(*sys.argv[2:7])
+    reference(*sys.argv[2:6])
   else:
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

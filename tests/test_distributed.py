@@ -5,9 +5,10 @@ The two-process runs start two local processes (tests/distributed_child.py), 4 f
 the processes). They run, one after the other in the same processes: a few M_exp SFT steps (`train-exp`), three policy
 SFT steps (`train-policy`), two GRPO iterations on real TextWorld-Express from a behaviour-cloned warm start (`rl`), and
 two DreamGym GRPO iterations inside an experience model with the curriculum, M_task and replay write-back (`dreamgym`).
-Meanwhile a third child runs the same four configs alone on 8 fake devices (its DreamGym run waits for the cluster's
-M_exp, so both DreamGym runs use the same experience model). Every child keeps a persistent compilation cache, which
-only saves compile time (the dreamgym policy's programs are the rl run's). Checked: both processes finish and agree
+Meanwhile a third child runs the same four configs alone on 8 fake devices, after training the M_exp both DreamGym
+runs use (the cluster waits for it: 120 steps, which take 2.5x as long across the processes as alone). Every child
+keeps a persistent compilation cache, which only saves compile time (the dreamgym policy's programs are the rl
+run's). Checked: both processes finish and agree
 (summaries, checkpoint metadata, checkpoint arrays); process 1 writes nothing in the run folders (the replay buffer
 included: it only reads it) but its own orbax array-metadata files; and the distributed runs equal the single-process
 ones: rollouts, rewards, M_exp's answers, the replay buffer, the task pool and evaluations exactly, update metrics and
@@ -280,7 +281,8 @@ def runs(warm_start, tmp_path_factory):
   root = tmp_path_factory.mktemp("distributed")
   out, single = root / "dist", root / "single"
   data = [str(warm_start), str(_data(warm_start))]
-  reports = _run_children(root, [[*data, str(out)]] * 2, ["reference", *data, str(single), str(out)])
+  exp_model = single / "exp_model" / "checkpoint"  # the reference trains it first; the cluster waits for it
+  reports = _run_children(root, [[*data, str(out), str(exp_model)]] * 2, ["reference", *data, str(single)])
   return reports[:2], out, single
 
 
@@ -316,7 +318,7 @@ def test_only_process_0_writes_the_run_folders(runs):
   # every run's checkpoints (RL's every iteration, M_exp SFT's and policy SFT's after their last step); it reads the
   # replay buffer process 0 writes.
   assert {path for _, path in b["writes"]} == {f"{run}/checkpoints/{step}/arrays/array_metadatas/process_1"
-                                                 for run, step in (("run", 2), ("dreamgym", 2), ("exp", 120),
+                                                 for run, step in (("run", 2), ("dreamgym", 2), ("exp", 8),
                                                                    ("policy", 3))}
   written = {path for event, path in a["writes"] if event == "open"}
   for run in ("run", "dreamgym"):
@@ -407,7 +409,7 @@ def test_dreamgym_equals_the_single_process_run(runs, warm_start):
     items = list(x.iter_from(0))
     assert items == list(y.iter_from(0))
   synthetic = [t for t in items if t.origin == "synthetic"]
-  # M_exp steps unreadable after their retries are env failures, never written back (this 8-step M_exp writes few
+  # M_exp steps unreadable after their retries are env failures, never written back (this 120-step M_exp writes few
   # readable answers: what is checked is that every process resampled and failed the same rows)
   failed = sum(m["exp_failures"] for m in read_metrics(out / "metrics.jsonl") if "exp_failures" in m)
   assert len(synthetic) == d["synthetic_transitions"] - failed and len(items) == d["replay_size"] > len(synthetic)
@@ -425,7 +427,7 @@ def test_train_exp_equals_the_single_process_run(runs):
   assert untimed(a["train_exp"]["summary"]) == untimed(summary)
   np.testing.assert_allclose(a["train_exp"]["summary"]["final_train_loss"], summary["final_train_loss"], rtol=1e-5)
   dist_rows, single_rows = read_metrics(out / "exp" / "metrics.jsonl"), read_metrics(single / "metrics.jsonl")
-  assert [r["step"] for r in dist_rows] == [r["step"] for r in single_rows] == [60, 120]
+  assert [r["step"] for r in dist_rows] == [r["step"] for r in single_rows] == [4, 8]
   for d, s in zip(dist_rows, single_rows):
     d, s = _untimed(d), _untimed(s)
     assert d.keys() == s.keys()
