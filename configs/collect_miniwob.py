@@ -3,6 +3,8 @@
 Run:   dreamjax collect --config configs/collect_miniwob.py
 Tiny (CPU, a few minutes): 8 episodes (expert and random) of click-button and enter-text:
        dreamjax collect --config configs/collect_miniwob.py:tiny
+Headroom (the eight tasks where random play rarely wins; configs/train_policy_miniwob.py's data, about 4 minutes):
+       dreamjax collect --config configs/collect_miniwob.py:headroom
 Resume: rerun the same command; episodes already in out_dir/trajectories.jsonl are skipped.
 """
 
@@ -29,3 +31,14 @@ def config() -> CollectConfig:
 def tiny() -> CollectConfig:
   return dataclasses.replace(config(), games=("click-button", "enter-text"), policies=("expert:4", "random:4"),
                              out_dir="runs/collect/miniwob_tiny")
+
+
+def headroom() -> CollectConfig:
+  """The five typing tasks (random text never matches) and the three click tasks where a random click won 0.10-0.20
+  of 20 held-out pages (experiments/RESULTS.md, "A second family: MiniWoB headroom"); 40 expert, 20 eps0.3 and 10
+  random episodes of each, 8-step limit (the experts need 1-3)."""
+  return dataclasses.replace(
+      config(), games=("enter-text", "enter-text-2", "enter-password", "login-user", "enter-date", "click-option",
+                       "click-button-sequence", "click-link"),
+      env_kwargs=("max_steps=8",), policies=("expert:320", "eps0.3:160", "random:80"), build_tfds=False,
+      out_dir="runs/headroom/miniwob_train8")
