@@ -16,9 +16,9 @@ The rollout engine drives it exactly like a real env: `reset_batch(tasks)` gives
 Retry, then mask. A malformed output is resampled: the row's answer is drawn again, with a fresh key
 (`fold_in(row key, attempt)`), up to `exp_retries` times in the same `step_batch`. A retry call holds only the failed
 rows, packed into the fewest rows (a power of two) that hold them, with the first call's prompt width: a batch whose
-one malformed row is drawn again decodes one row, not the batch (with KV reuse the rows keep their places and
-the batch's shape). `stats["parse_failures"]` counts
-every attempt that did not parse and `stats["exp_retries"]` every resample. A row still malformed after its retries
+one malformed row is drawn again decodes one row, not the batch (with KV reuse the rows keep their places and the
+batch's shape). `stats["parse_failures"]` counts every attempt that did not parse and `stats["exp_retries"]` every
+resample. A row still malformed after its retries
 ends its episode as an env failure (dreamjax.envs.base.ENV_ERROR, a message starting "experience model:", plus
 `info["exp_error"]`; `stats["exp_failures"]`, and `failures` keeps the prompt's state, the action, the last answer
 and its error): the simulator failed, not the agent, so RL leaves the episode out of
