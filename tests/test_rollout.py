@@ -491,6 +491,49 @@ def test_an_env_step_budget_is_exact_and_cuts_rows_in_order(twx, tok, policy_cfg
   assert first.num_turns.tolist() == [1, 1, 0] and first.budget_cut.all() and first.num_rows == 2
 
 
+class _RowsSeen:
+  """A BatchEnv wrapper that records how many rows each reset_batch asked for."""
+
+  def __init__(self, inner):
+    self.inner, self.resets = inner, []
+
+  def reset_batch(self, tasks):
+    self.resets.append(len(tasks))
+    return self.inner.reset_batch(tasks)
+
+  def step_batch(self, actions):
+    return self.inner.step_batch(actions)
+
+  def close(self):
+    pass
+
+
+def test_max_rows_plays_whole_groups_in_turn_with_the_same_draws(twx, tok, policy_cfg, tuned_params, far_tasks):
+  """max_rows 2 with G = 2 plays one group at a time on env rows 0-1; each row keeps its key, so the trajectories are
+  those of all rows at once. An env-step budget is spent in play order: the first chunk's rows step first."""
+  near = tasks("coin", "test", 2, params=ONE_ROOM, env=twx.envs[0])
+  base = dataclasses.replace(GREEDY, group_size=2, temperature=1.0)
+  together = RolloutEngine(policy_cfg, tok, FMT, base).run(tuned_params, twx, near[:1] + far_tasks[:1],
+                                                           jax.random.key(5))
+  env = _RowsSeen(twx)
+  chunked = RolloutEngine(policy_cfg, tok, FMT, dataclasses.replace(base, max_rows=3))
+  traj = chunked.run(tuned_params, env, near[:1] + far_tasks[:1], jax.random.key(5))
+  assert env.resets == [2, 2] and traj.stats["episodes"] == 4
+  for name in ("tokens", "lengths", "loss_mask", "reward", "done", "invalid", "episode", "turn", "group",
+               "task_index", "turn_rows", "success"):
+    np.testing.assert_array_equal(getattr(traj, name), getattr(together, name), err_msg=name)
+  np.testing.assert_allclose(traj.rollout_logp, together.rollout_logp, rtol=1e-5, atol=1e-5)
+  assert [r.task for r in traj.records] == [r.task for r in together.records]
+  one = RolloutEngine(policy_cfg, tok, FMT, dataclasses.replace(GREEDY, max_rows=1))
+  capped = one.run(tuned_params, twx, near + far_tasks[:1], jax.random.key(0), max_env_steps=4)
+  assert capped.num_turns.tolist() == [2, 2, 0] and capped.budget_cut.tolist() == [False, False, True]
+  assert capped.success[:2].all()
+  assert RolloutConfig(group_size=4, max_rows=6).rows_at_once(16) == 4
+  assert RolloutConfig(group_size=4).rows_at_once(16) == 16
+  with pytest.raises(ValueError, match="max_rows must be 0"):
+    RolloutConfig(group_size=4, max_rows=3)
+
+
 class _KillJvm:
   """A SerialBatchEnv of TWX envs whose row `row` JVM is killed (SIGKILL, by pid) before the `at`-th step_batch of
   each of the first `times` episode batches: the env process dying mid-episode, as it does in a long run."""

@@ -189,8 +189,8 @@ class RLConfig(RunConfig):
 
   @property
   def rows(self) -> int:
-    """Episodes stepped together: B * G for training, eval_batch for evaluation."""
-    return max(self.tasks_per_iteration * self.rollout.group_size, self.eval_batch)
+    """Episodes stepped together: B * G for training (at most rollout.max_rows), eval_batch for evaluation."""
+    return max(self.rollout.rows_at_once(self.tasks_per_iteration * self.rollout.group_size), self.eval_batch)
 
   @property
   def separate_critic(self) -> bool:

@@ -9,6 +9,12 @@ that cannot fit with no history at all is an error.
 Randomness: row r at turn t samples with `fold_in(fold_in(key, t), r)`, so a run is reproducible from its key and a
 row's tokens do not depend on the other rows (nor on how many of them are still live).
 
+`RolloutConfig.max_rows` plays the B*G rows in chunks of whole groups, one chunk to its end after the other, against
+env rows 0...max_rows-1: a run then needs only that many live envs. That matters where an env is a browser (two
+Chromium processes per MiniWoB env: 16 tasks x 8 rollouts at once do not fit in 24 GB). Each row keeps its key, so the
+trajectories are those of all rows at once; the sampler compiles for the chunk's size (and the last chunk's, where it
+is smaller). An env-step budget (below) is then spent in play order, chunk after chunk.
+
 Outcomes, not exceptions: an answer that does not parse is not sent to the env (the BatchEnv gets None for its row);
 the turn is recorded as invalid, reward 0, with the state unchanged, and the episode goes on. An action the env
 rejects comes back as the env's own invalid result. Episodes end when the env says done, after `max_turns` turns, or
@@ -102,14 +108,23 @@ class RolloutConfig:
   group_prefill: bool = False  # prefill a group's prompt once when its G rows' prompts are equal (module docstring)
   kv_reuse: bool = False  # keep each row's KV cache between turns and prefill only what it lacks (module docstring)
   constrain_actions: bool = False  # answer with one of the admissible actions, always (module docstring)
+  # Episodes played at once, in whole groups (0: all B*G): bounds the live envs, e.g. browsers (module docstring)
+  max_rows: int = 0
 
   def __post_init__(self):
     for name in ("group_size", "max_turns", "max_action_tokens", "max_episode_tokens"):
       if getattr(self, name) < 1:
         raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)}")
+    if self.max_rows < 0 or 0 < self.max_rows < self.group_size:
+      raise ValueError(f"RolloutConfig.max_rows must be 0 (all rows at once) or at least group_size "
+                       f"({self.group_size}), got {self.max_rows}")
     buckets = tuple(self.prompt_buckets)
     if not buckets or any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
       raise ValueError(f"RolloutConfig.prompt_buckets must be positive and strictly increasing, got {buckets}")
+
+  def rows_at_once(self, rows: int) -> int:
+    """How many of a run's `rows` episodes are played together: all, or whole groups up to `max_rows`."""
+    return rows if self.max_rows <= 0 else min(rows, self.max_rows // self.group_size * self.group_size)
 
 
 @dataclasses.dataclass
@@ -158,11 +173,11 @@ def allowed_tokens(choices: np.ndarray, ids: np.ndarray) -> list[np.ndarray]:
   return out
 
 
-def _row_keys(key: jax.Array, turn: jax.Array, rows: int) -> jax.Array:
-  return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, turn), r))(jnp.arange(rows))
+def _row_keys(key: jax.Array, turn: jax.Array, first: jax.Array, rows: int) -> jax.Array:
+  return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, turn), r))(first + jnp.arange(rows))
 
 
-_ROW_KEYS = jax.jit(_row_keys, static_argnums=2)
+_ROW_KEYS = jax.jit(_row_keys, static_argnums=3)
 
 
 class RolloutEngine:
@@ -211,7 +226,7 @@ class RolloutEngine:
           max_env_steps: int = 0) -> Trajectories:
     """Rollouts of every task `group_size` times: row r runs task r // G. `key` is a PRNG key (typed or raw).
     `max_env_steps` (0: no cap) caps the env steps of the whole call exactly (see the module docstring)."""
-    cfg, tok = self.cfg, self.tokenizer
+    cfg = self.cfg
     if not tasks:
       raise ValueError("RolloutEngine.run: no tasks")
     if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
@@ -219,11 +234,32 @@ class RolloutEngine:
     stats = dict(sample_s=0.0, env_s=0.0, turns=0, sampled_tokens=0, forced_tokens=0, parse_failures=0, env_invalid=0,
                  env_errors=0,
                  budget_cut=0, grouped_turns=0, prompt_tokens=0, prefilled_tokens=0, buckets=set())
-    reuse = KVReuse() if cfg.kv_reuse else None  # one per run: a run's draws never depend on an earlier run
     steps_left = max_env_steps if max_env_steps > 0 else None
     start = time.perf_counter()
-    n = len(tasks) * cfg.group_size
-    row_tasks = [tasks[r // cfg.group_size] for r in range(n)]
+    total = len(tasks) * cfg.group_size
+    row_tasks = [tasks[r // cfg.group_size] for r in range(total)]
+    at_once = cfg.rows_at_once(total)
+    eps: list[_Episode] = []
+    for first in range(0, total, at_once):
+      played, steps_left = self._play(params, env, row_tasks[first:first + at_once], first, key, stats, steps_left)
+      eps += played
+
+    stats["budget_cut"] = sum(ep.budget_cut for ep in eps)
+    t0 = time.perf_counter()
+    traj = self._assemble(eps, key, policy_version)
+    stats["total_s"] = time.perf_counter() - start
+    stats["host_s"] = stats["total_s"] - stats["sample_s"] - stats["env_s"]
+    stats.update(episodes=total, rows=traj.num_rows, buckets=sorted(stats["buckets"]),
+                 compilations=self.sampler.compilations(), assemble_s=time.perf_counter() - t0)
+    return dataclasses.replace(traj, stats=stats)
+
+  def _play(self, params, env: BatchEnv, row_tasks: list[Task], first: int, key: jax.Array, stats: dict,
+            steps_left: int | None) -> tuple[list[_Episode], int | None]:
+    """Plays the rows `row_tasks` (rows `first`... of the run) to their end against env rows 0...; (their episodes,
+    the env-step budget left)."""
+    cfg, tok = self.cfg, self.tokenizer
+    reuse = KVReuse() if cfg.kv_reuse else None  # one per call: draws never depend on earlier rows
+    n = len(row_tasks)
     t0 = time.perf_counter()
     observations = env.reset_batch(row_tasks)
     stats["env_s"] += time.perf_counter() - t0
@@ -255,7 +291,7 @@ class RolloutEngine:
       stats["grouped_turns"] += group > 1
 
       t0 = time.perf_counter()
-      keys = _ROW_KEYS(key, turn, n)
+      keys = _ROW_KEYS(key, turn, first, n)
       # to_host: with several processes the rows are sharded over all of them, and every process needs every row
       # (`group` and `reuse` only when used: stand-in samplers of tests and tools take the plain call's arguments)
       extra = ({"group": group} if group > 1 else {}) | ({"reuse": reuse} if reuse is not None else {})
@@ -332,14 +368,7 @@ class RolloutEngine:
         elif turn + 1 >= cfg.max_turns or ep.used >= cfg.max_episode_tokens:
           ep.live = False
 
-    stats["budget_cut"] = sum(ep.budget_cut for ep in eps)
-    t0 = time.perf_counter()
-    traj = self._assemble(eps, key, policy_version)
-    stats["total_s"] = time.perf_counter() - start
-    stats["host_s"] = stats["total_s"] - stats["sample_s"] - stats["env_s"]
-    stats.update(episodes=n, rows=traj.num_rows, buckets=sorted(stats["buckets"]),
-                 compilations=self.sampler.compilations(), assemble_s=time.perf_counter() - t0)
-    return dataclasses.replace(traj, stats=stats)
+    return eps, steps_left
 
   def _choices(self, eps: list[_Episode], rows) -> np.ndarray:
     """The sampler's choices [N, C, max_action_tokens]: each of `rows`' admissible actions as the answer ids a policy
