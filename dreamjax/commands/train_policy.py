@@ -61,6 +61,7 @@ from dreamjax.loop.model import ModelSource, prepare_model, save_model
 from dreamjax.loop.policy_data import RowConfig, TurnRow, policy_texts, sft_rows
 from dreamjax.loop.run import RunFolder, resuming
 from dreamjax.loop.track import Tracker, echo, progress
+from dreamjax.loop.value_copies import value_copies
 from dreamjax.rl.batch import sft_batch
 from dreamjax.rl.logprobs import score_len_for
 from dreamjax.rl.objectives import make_objective
@@ -76,6 +77,9 @@ class PolicySftConfig(RunConfig):
   data: tuple[str, ...] = ("runs/collect/twx/trajectories.jsonl",)  # TrajectoryRecord JSONL files
   # Offline real transitions the run may learn from (whole episodes in file order; 0: all): the paper's SFT budget.
   data_transitions: int = 0
+  # Copies of each episode whose goal quotes values (MiniWoB's Enter "Tula"...), the values made up anew in each
+  # (dreamjax.loop.value_copies): they teach copying the goal's value; 0: none.
+  value_copies: int = 0
   env: str = "textworld_express"
   env_kwargs: tuple[str, ...] = ("step_limit=50",)  # "key=value", as in CollectConfig
   agent: AgentFormat = AgentFormat(think=False)
@@ -102,7 +106,7 @@ class PolicySftConfig(RunConfig):
   def __post_init__(self):
     check_settings(self, ("batch_size", "micro_batches", "epochs", "log_every", "max_nonfinite_updates",
                           "keep_checkpoints"),
-                   ("max_steps", "pad_to", "devices", "data_transitions", "checkpoint_every"))
+                   ("max_steps", "pad_to", "devices", "data_transitions", "checkpoint_every", "value_copies"))
 
 
 def _batches(rows: Sequence[TurnRow], batch_size: int, rng: np.random.Generator) -> list[list[TurnRow]]:
@@ -138,7 +142,9 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, run: RunFolder, tracker: 
   model_dir, model_cfg, params, tokenizer = prepare_model(
       cfg.model, out / "init_model", lambda: policy_texts(records, cfg.agent, cfg.rows.think), seed=cfg.seed, mesh=mesh,
       overrides=cfg.model.overrides())
-  rows, row_stats = sft_rows(records, tokenizer, cfg.agent, cfg.rows, cfg.rollout)
+  copies = value_copies(records, cfg.value_copies, cfg.seed)  # after the tokenizer: made-up values are no real text
+  rows, row_stats = sft_rows([*records, *copies], tokenizer, cfg.agent, cfg.rows, cfg.rollout)
+  row_stats["value_copies"] = len(copies)
   if not rows:
     raise ValueError(f"data {list(cfg.data)}: no demonstration turns (row counts: {row_stats}); check rows.experts "
                      f"(policies present: {sorted({r.policy for r in records})}) and rows.successful_only")

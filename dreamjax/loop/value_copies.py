@@ -1,0 +1,128 @@
+"""Copies of demonstrations with the values their goals quote replaced by others: teaching a policy to copy.
+
+Why: a small policy trained from scratch on MiniWoB's typing tasks learns the values it saw, not how to copy the
+goal's value into its answer. On held-out pages it typed names from its training pages (`fill('14', 'Livia')` for
+Enter "Tula"), and passwords of the right length with the wrong characters (experiments/RESULTS.md, twenty-fourth
+stop). In a copy that quotes another episode's value, only copying from the prompt predicts the answer.
+
+What is replaced: every value the instruction quotes (`Enter "Tula" into the text field`, `the username "cierra" and
+the password "11L"`), wherever it stands as whole words in the episode's texts (instruction, states, actions), and
+its upper- and lower-case forms too (enter-text-2 asks for "myron" typed as MYRON). The new value has the old one's
+shape (the same length, and a lower-case letter, an upper-case letter or a digit wherever the old one has one), so a
+password field's bullets, which show only the length, stay right, and so does the episode's reward: these tasks are
+won by typing the quoted value, whatever it is. It is drawn from the values of the same shape that the records quote
+elsewhere (`ValuePool`: names the tokenizer knows as words), and made up character by character where the records
+quote no other value of that shape. A value is drawn again if its forms occur in the episode's texts already.
+
+Measured on MiniWoB's eight headroom tasks (experiments/RESULTS.md, twenty-fifth stop): three copies of values made
+up character by character only lowered the 2-layer policy's held-out success after 1,200 steps (0.163 against 0.375;
+it fit none of 5 training pages), so values are drawn from the records' own first.
+
+The copy keeps its episode id and task (it stands for the same demonstration), so evaluating on the demonstrated
+tasks is unchanged. Episodes whose instruction quotes nothing (TextWorld-Express, MiniWoB's click tasks without
+quotes) get no copy. The tokenizer is trained on the real records only: the copies are a lesson in copying, not text
+the policy will meet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import string
+from collections.abc import Sequence
+
+import numpy as np
+
+from dreamjax.data.records import TrajectoryRecord
+from dreamjax.experience.rename import names_pattern, rename_text
+
+_QUOTED = re.compile(r'"([^"\n]+)"')
+_TRIES = 100  # draws of a new value before giving up (only a value of one or two characters can run out)
+
+
+def quoted_values(instruction: str) -> list[str]:
+  """The values `instruction` quotes, in order, each once."""
+  return list(dict.fromkeys(_QUOTED.findall(instruction)))
+
+
+def _texts(record: TrajectoryRecord) -> list[str]:
+  return [record.instruction] + [t for s in record.steps for t in (s.state, s.action, s.next_state)]
+
+
+def _forms(value: str) -> set[str]:
+  return {value, value.upper(), value.lower()}
+
+
+_CLASSES = (string.ascii_lowercase, string.ascii_uppercase, string.digits)
+
+
+def shape(value: str) -> str:
+  """`value` with every lower-case letter as "a", upper-case letter as "A" and digit as "0"."""
+  return "".join(next((p[0] for p in _CLASSES if c in p), c) for c in value)
+
+
+def made_up(value: str, rng: np.random.Generator) -> str:
+  """A value of `value`'s shape, each letter or digit drawn at random from its class."""
+  return "".join(next((p[rng.integers(len(p))] for p in _CLASSES if c in p), c) for c in value)
+
+
+@dataclasses.dataclass(frozen=True)
+class ValuePool:
+  """The values the records quote, by shape: what new values are drawn from."""
+
+  by_shape: dict[str, tuple[str, ...]]
+
+  @classmethod
+  def of(cls, records: Sequence[TrajectoryRecord]) -> ValuePool:
+    by_shape: dict[str, set[str]] = {}
+    for r in records:
+      for v in quoted_values(r.instruction):
+        by_shape.setdefault(shape(v), set()).add(v)
+    return cls({k: tuple(sorted(v)) for k, v in sorted(by_shape.items())})
+
+  def draw(self, value: str, rng: np.random.Generator) -> str:
+    """Another quoted value of `value`'s shape, or one made up where the records quote none."""
+    others = [v for v in self.by_shape.get(shape(value), ()) if v != value]
+    return others[rng.integers(len(others))] if others else made_up(value, rng)
+
+
+def value_copy(record: TrajectoryRecord, pool: ValuePool, rng: np.random.Generator
+               ) -> tuple[TrajectoryRecord, dict[str, str]] | None:
+  """`record` with its quoted values replaced (module docstring) and the mapping of every form replaced, or None
+  when the instruction quotes nothing or no new value avoids the episode's words."""
+  values = quoted_values(record.instruction)
+  if not values:
+    return None
+  texts = _texts(record)
+  old_forms = set().union(*(_forms(v) for v in values))
+  mapping: dict[str, str] = {}
+  for value in values:
+    for _ in range(_TRIES):
+      new = pool.draw(value, rng)
+      forms = {f(value): f(new) for f in (str, str.upper, str.lower)}
+      # no new form may already be a word of the episode, another value's form, or another form's replacement
+      if not any(re.search(rf"(?<!\w){re.escape(n)}(?!\w)", t) for n in forms.values() for t in texts) and \
+          not set(forms.values()) & (old_forms | set(mapping.values())) and \
+          all(mapping.get(o, n) == n for o, n in forms.items()):
+        mapping |= forms
+        break
+    else:
+      return None
+  pattern = names_pattern(mapping)
+
+  def text(s: str) -> str:
+    return rename_text(s, mapping, pattern)
+
+  steps = tuple(dataclasses.replace(s, state=text(s.state), action=text(s.action), next_state=text(s.next_state))
+                for s in record.steps)
+  return dataclasses.replace(record, instruction=text(record.instruction), steps=steps), mapping
+
+
+def value_copies(records: Sequence[TrajectoryRecord], copies: int, seed: int) -> list[TrajectoryRecord]:
+  """`copies` copies of each record whose instruction quotes values, with values drawn anew for every copy from
+  the records' own (seeded by `seed` and the copy's number)."""
+  pool, out = ValuePool.of(records), []
+  for j in range(copies):
+    rng = np.random.default_rng([seed, j])
+    out += [c[0] for r in records if (c := value_copy(r, pool, rng)) is not None]
+  return out

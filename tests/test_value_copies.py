@@ -1,0 +1,158 @@
+"""Copies of demonstrations with the goal's quoted values replaced (dreamjax.loop.value_copies), on episodes written
+like MiniWoB's recorded ones: new values from the records' own of the same shape (made up where there is none), one
+mapping over every text, the values' shapes kept (so a password field's bullets stay right), upper- and lower-case
+forms mapped alike, nothing copied where nothing is quoted, and the copies' behaviour-cloning answers typing the new
+value."""
+
+import dataclasses
+import string
+
+import numpy as np
+import pytest
+
+from dreamjax.commands.train_policy import PolicySftConfig
+from dreamjax.data.records import StepRecord, TrajectoryRecord
+from dreamjax.envs.base import Task
+from dreamjax.experience.rename import names_pattern, rename_text
+from dreamjax.loop.policy_data import RowConfig, policy_texts, sft_rows
+from dreamjax.loop.value_copies import ValuePool, made_up, quoted_values, shape, value_copies, value_copy
+from dreamjax.rollout.agent import AgentFormat
+from dreamjax.rollout.engine import RolloutConfig
+from dreamjax.text.tokenizer import train_bpe_tokenizer
+
+ADM = ("click('16')", "fill('16', <text>)", "click('19')", "fill('19', <text>)", "click('20')")
+
+
+def _record(task: str, goal: str, pages: list[str], actions: list[str]) -> TrajectoryRecord:
+  states = [f"Goal: {goal}\nPage: {p}" for p in pages]
+  steps = tuple(StepRecord(states[i], a, states[i + 1], float(i == len(actions) - 1), i == len(actions) - 1,
+                           i == len(actions) - 1, False, ADM, "expert") for i, a in enumerate(actions))
+  return TrajectoryRecord(f"expert:{task}/train/0", "miniwob", Task.make("miniwob", f"{task}/train/0", task=task),
+                          goal, "expert", 0, steps, True, len(steps), None)
+
+
+def login_user() -> TrajectoryRecord:
+  goal = 'Enter the username "cierra" and the password "11L" into the text fields and press login.'
+  fields = ['[16] textbox: Username\n[19] textbox: Password', '[16] textbox: Username (value: "cierra")\n'
+            '[19] textbox: Password', '[16] textbox: Username (value: "cierra")\n[19] textbox: Password (value: "•••")']
+  return _record("login-user", goal, [f"Login User Task\n{f}\n[20] button: Login" for f in fields] + ["Done"],
+                 ["fill('16', 'cierra')", "fill('19', '11L')", "click('20')"])
+
+
+def enter_text_2() -> TrajectoryRecord:
+  goal = 'Type "myron" in all upper case letters in the text input and press Submit.'
+  return _record("enter-text-2", goal, ["Enter Text Task\n[16] textbox: (unlabelled)",
+                                        'Enter Text Task\n[16] textbox: (unlabelled) (value: "MYRON")', "Done"],
+                 ["fill('16', 'MYRON')", "click('20')"])
+
+
+def click_button_sequence() -> TrajectoryRecord:
+  return _record("click-button-sequence", "Click button ONE, then click button TWO.",
+                 ["[16] button: ONE\n[19] button: TWO"] * 3, ["click('16')", "click('19')"])
+
+
+def _texts(r: TrajectoryRecord) -> list[str]:
+  return [r.instruction, *(t for s in r.steps for t in (s.state, s.action, s.next_state))]
+
+
+def _shape(value: str) -> list[str]:
+  return [next((n for n, p in (("lower", string.ascii_lowercase), ("upper", string.ascii_uppercase),
+                                ("digit", string.digits)) if c in p), c) for c in value]
+
+
+def renamed_login(user: str, password: str) -> TrajectoryRecord:
+  """login_user() as a page quoting other values (another episode of the pool)."""
+  r = login_user()
+  text = lambda t: t.replace("cierra", user).replace("11L", password).replace("•••", "•" * len(password))  # noqa: E731
+  return dataclasses.replace(r, instruction=text(r.instruction), steps=tuple(
+      dataclasses.replace(s, state=text(s.state), action=text(s.action), next_state=text(s.next_state))
+      for s in r.steps))
+
+
+POOL = ValuePool.of([login_user(), enter_text_2()])  # one value of each shape: the new ones are made up
+
+
+def test_quoted_values_in_order_once():
+  assert quoted_values(login_user().instruction) == ["cierra", "11L"]
+  assert quoted_values('Enter "a b" and "a b" then "c"') == ["a b", "c"]
+  assert quoted_values("Click button ONE, then click button TWO.") == []
+
+
+def test_made_up_values_keep_the_shape():
+  rng = np.random.default_rng(0)
+  for value in ("Myron", "aGikC", "11L", "x-7 Y", "2012-02-04"):
+    news = {made_up(value, rng) for _ in range(20)}
+    assert all(len(n) == len(value) and _shape(n) == _shape(value) for n in news), (value, news)
+    assert len(news) > 1  # drawn, not fixed
+    assert shape(value) == "".join({"lower": "a", "upper": "A", "digit": "0"}.get(k, k) for k in _shape(value))
+
+
+def test_new_values_come_from_the_records_of_the_same_shape():
+  records = [login_user(), renamed_login("tulane", "42Q"), renamed_login("kenda", "7Z")]
+  pool = ValuePool.of(records)
+  assert pool.by_shape == {"aaaaaa": ("cierra", "tulane"), "00A": ("11L", "42Q"), "aaaaa": ("kenda",), "0A": ("7Z",)}
+  rng = np.random.default_rng(0)
+  assert {pool.draw("cierra", rng) for _ in range(10)} == {"tulane"}  # never the value itself
+  assert {pool.draw("11L", rng) for _ in range(10)} == {"42Q"}
+  made = {pool.draw("kenda", rng) for _ in range(10)}  # the only value of its shape: made up
+  assert "kenda" not in made and all(shape(m) == "aaaaa" for m in made)
+  copy, mapping = value_copy(records[0], pool, rng)
+  assert mapping == {"cierra": "tulane", "CIERRA": "TULANE", "11L": "42Q", "11l": "42q"}
+  assert copy.instruction == records[1].instruction and copy.steps == records[1].steps
+
+
+@pytest.mark.parametrize("make", [login_user, enter_text_2])
+def test_one_mapping_over_every_text_undone_by_its_inverse(make):
+  record = make()
+  copy, mapping = value_copy(record, POOL, np.random.default_rng(1))
+  values = quoted_values(record.instruction)
+  new_values = quoted_values(copy.instruction)
+  assert len(new_values) == len(values) and all(n != v and _shape(n) == _shape(v) for n, v in zip(new_values, values))
+  # every form of every value is gone from every text, and undoing the mapping gives the record back exactly
+  inverse = {n: o for o, n in mapping.items()}
+  for old, new in zip(_texts(record), _texts(copy)):
+    assert not any(f in new for v in values for f in (v, v.upper(), v.lower()))
+    assert rename_text(new, inverse, names_pattern(inverse)) == old
+  assert (copy.episode_id, copy.task, copy.success, copy.num_steps) == (record.episode_id, record.task, True,
+                                                                      record.num_steps)
+  assert [s.reward for s in copy.steps] == [s.reward for s in record.steps]
+  assert [s.admissible for s in copy.steps] == [s.admissible for s in record.steps]
+
+
+def test_the_typed_value_follows_the_goal_in_every_form():
+  copy, _ = value_copy(login_user(), POOL, np.random.default_rng(2))
+  user, password = quoted_values(copy.instruction)
+  assert [s.action for s in copy.steps] == [f"fill('16', '{user}')", f"fill('19', '{password}')", "click('20')"]
+  assert f'Username (value: "{user}")' in copy.steps[1].state
+  assert 'Password (value: "•••")' in copy.steps[2].state  # the bullets show the length, which is kept
+  copy, mapping = value_copy(enter_text_2(), POOL, np.random.default_rng(2))
+  (name,) = quoted_values(copy.instruction)
+  assert name.islower() and copy.steps[0].action == f"fill('16', '{name.upper()}')"
+  assert mapping["MYRON"] == name.upper() and mapping["myron"] == name
+
+
+def test_copies_only_of_quoting_episodes_seeded_and_drawn_anew():
+  records = [login_user(), click_button_sequence(), enter_text_2()]
+  assert value_copy(click_button_sequence(), POOL, np.random.default_rng(0)) is None
+  copies = value_copies(records, 3, seed=5)
+  assert [c.task.task_id for c in copies] == ["login-user/train/0", "enter-text-2/train/0"] * 3
+  assert copies == value_copies(records, 3, seed=5) and copies != value_copies(records, 3, seed=6)
+  assert len({c.instruction for c in copies}) == 6
+  assert value_copies(records, 0, seed=5) == []
+  with pytest.raises(ValueError, match="PolicySftConfig.value_copies must be >= 0"):
+    PolicySftConfig(value_copies=-1)
+
+
+def test_behaviour_cloning_rows_of_a_copy_type_the_new_value(tmp_path):
+  records = [login_user(), enter_text_2()]
+  fmt = AgentFormat(think=False, history_turns=2, history_token_budget=128)
+  rollout = RolloutConfig(max_turns=4, max_action_tokens=32, max_episode_tokens=96, prompt_buckets=(512,))
+  tok = train_bpe_tokenizer(policy_texts(records, fmt), tmp_path, vocab_size=384)  # the real records' text only
+  copies = value_copies(records, 1, seed=0)
+  rows, stats = sft_rows(records + copies, tok, fmt, RowConfig(), rollout)
+  assert stats["rows"] == 2 * (3 + 2)
+  answers = [tok.decode([int(i) for i, m in zip(r.ids, r.loss_mask) if m]) for r in rows[5:]]
+  user, password = quoted_values(copies[0].instruction)
+  (name,) = quoted_values(copies[1].instruction)
+  assert [user in answers[0], password in answers[1], name.upper() in answers[3]] == [True] * 3, answers
+  assert dataclasses.replace(copies[0], instruction=records[0].instruction) != records[0]  # states renamed too
