@@ -77,8 +77,8 @@ class PolicySftConfig(RunConfig):
   data: tuple[str, ...] = ("runs/collect/twx/trajectories.jsonl",)  # TrajectoryRecord JSONL files
   # Offline real transitions the run may learn from (whole episodes in file order; 0: all): the paper's SFT budget.
   data_transitions: int = 0
-  # Copies of each episode whose goal quotes values (MiniWoB's Enter "Tula"...), the values made up anew in each
-  # (dreamjax.loop.value_copies): they teach copying the goal's value; 0: none.
+  # Copies of each episode whose goal quotes values (MiniWoB's Enter "Tula"...), the values replaced by others of the
+  # same shape in each (dreamjax.loop.value_copies): they teach copying the goal's value; 0: none.
   value_copies: int = 0
   env: str = "textworld_express"
   env_kwargs: tuple[str, ...] = ("step_limit=50",)  # "key=value", as in CollectConfig
@@ -142,7 +142,7 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, run: RunFolder, tracker: 
   model_dir, model_cfg, params, tokenizer = prepare_model(
       cfg.model, out / "init_model", lambda: policy_texts(records, cfg.agent, cfg.rows.think), seed=cfg.seed, mesh=mesh,
       overrides=cfg.model.overrides())
-  copies = value_copies(records, cfg.value_copies, cfg.seed)  # after the tokenizer: made-up values are no real text
+  copies = value_copies(records, cfg.value_copies, cfg.seed)  # after the tokenizer, which learns real text only
   rows, row_stats = sft_rows([*records, *copies], tokenizer, cfg.agent, cfg.rows, cfg.rollout)
   row_stats["value_copies"] = len(copies)
   if not rows:
