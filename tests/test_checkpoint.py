@@ -277,9 +277,10 @@ def test_wandb_offline_writes_under_the_run_folder_and_resumes_the_same_run(tmp_
   with Tracker(tmp_path, {"lr": 0.1}, track, run_id=run_id, resume_step=2) as tr:
     assert tr.run_id == run_id
     tr.log(3, {"train_loss": 1.0})
-  # The resumed run is the same W&B run: same id, its own offline folder (or the same one, within the same second).
-  runs = sorted((tmp_path / "wandb").glob(f"offline-run-*-{run_id}"))
-  assert 1 <= len(runs) <= 2 and {3: {"train_loss": 1.0}}.items() <= _wandb_history(runs[-1]).items()
+  # The resumed run is the same W&B run: same id, its own offline folder. Started within the same second as the first,
+  # it gets the first's name with "-1" appended, which also sorts after it.
+  runs = sorted((tmp_path / "wandb").glob(f"offline-run-*-{run_id}*"))
+  assert len(runs) == 2 and {3: {"train_loss": 1.0}}.items() <= _wandb_history(runs[-1]).items()
   assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
   # Only the run folder was written to: wandb's cache (its service's logs) went there too.
   assert list((tmp_path / "wandb" / "cache").rglob("core-debug-*.log"))
