@@ -69,7 +69,8 @@ def test_only_process_0_writes_the_run_folders(runs):
   written = {path for event, path in a["writes"] if event == "open"}
   assert {"sample/sample.json", "sample/tiny-checkpoint/config.json", "reproduce/config.json",
           "reproduce/results.json", "reproduce/data/trajectories.jsonl", "reproduce/data/summary.json",
-          "reproduce/sft/eval/eval.json", "annotate/annotations.rules.jsonl"} <= written
+          "reproduce/sft/eval/eval.json", "reproduce/sft/eval/episodes.jsonl",
+          "annotate/annotations.rules.jsonl"} <= written
   assert _files(dist) == _files(single)
 
 
@@ -84,3 +85,8 @@ def test_outputs_equal_the_single_process_run(runs):
                "sample/sample.json"):
     assert _same(json.loads((dist / path).read_text()), dist, single) == \
         _same(json.loads((single / path).read_text()), dist, single), path
+  # The evaluation's episodes: one per scored task, in its order, each as its outcome says, the same actions.
+  episodes = {run: read_trajectories(run / "reproduce/sft/eval/episodes.jsonl") for run in (dist, single)}
+  outcomes = json.loads((dist / "reproduce/sft/eval/eval.json").read_text())["outcomes"]
+  assert [(r.task.task_id, r.success, r.num_steps) for r in episodes[dist]] == [tuple(o) for o in outcomes]
+  assert [[s.action for s in r.steps] for r in episodes[dist]] == [[s.action for s in r.steps] for r in episodes[single]]

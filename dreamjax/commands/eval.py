@@ -4,7 +4,8 @@ Any policy folder (SFT, DPO, real-env RL, DreamGym, S2R: all are HF folders) is 
 `dreamjax.loop.evaluate.evaluate`, greedily (one episode per task) and, with `sampled`, once more at temperature 1
 (the stochastic policy RL optimises). The tasks are a `TaskSpec` of the env's held-out fold, so the methods of a table
 are compared on exactly the same games. Writes `eval.json` (rates, 95% Wilson intervals, failure statistics,
-per-task outcomes) to `out_dir` and returns it.
+per-task outcomes) to `out_dir` and returns it, and the episodes themselves (instruction, states, actions, rewards) as
+`episodes.jsonl` and `sampled_episodes.jsonl`, in the format `dreamjax collect` writes, to see what the policy did.
 
 Run: `dreamjax eval --config <a config defining an EvalRunConfig> --set checkpoint=runs/dreamgym/grpo_twx/final`
 (`dreamjax reproduce` runs it on every final policy with its `eval` section).
@@ -69,16 +70,21 @@ def _evaluate(cfg: EvalRunConfig) -> dict[str, Any]:
   env = make_batch_env(cfg.env, cfg.env_kwargs, cfg.batch, cfg.num_workers)
   key = jax.random.key(cfg.seed)
   try:
-    result = evaluate(greedy, params, env, tasks, key, batch_size=cfg.batch)
+    result = evaluate(greedy, params, env, tasks, key, batch_size=cfg.batch, keep_records=True)
+    episodes = {"episodes.jsonl": result.pop("records")}
     if cfg.sampled:
       sampled = RolloutEngine(model_cfg, tok, cfg.agent, dataclasses.replace(cfg.rollout, group_size=1), mesh=mesh)
-      result["sampled"] = evaluate(sampled, params, env, tasks, jax.random.fold_in(key, 1), batch_size=cfg.batch)
+      result["sampled"] = evaluate(sampled, params, env, tasks, jax.random.fold_in(key, 1), batch_size=cfg.batch,
+                                   keep_records=True)
+      episodes["sampled_episodes.jsonl"] = result["sampled"].pop("records")
   finally:
     env.close()
   result |= {"checkpoint": cfg.checkpoint, "config": to_json(cfg)}
   if is_primary():  # the one writer of the run folder
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for name, records in episodes.items():  # what the policy did, in the collection format (dreamjax.data.records)
+      (out / name).write_text("".join(json.dumps(r.to_json()) + "\n" for r in records))
     (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
   print(f"{cfg.checkpoint}: greedy success {result['success_rate']:.3f} [{result['ci_low']:.3f}, "
         f"{result['ci_high']:.3f}] over {result['episodes']} tasks" +

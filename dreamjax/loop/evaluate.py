@@ -120,14 +120,17 @@ def _episodes(engine: RolloutEngine, params, env: BatchEnv, tasks: Sequence[Task
       rows = traj.episode == e
       out.append({"success": bool(traj.success[e]), "reward": float(traj.episode_reward[e]),
                   "turns": int(traj.num_turns[e]), "ended": bool(traj.ended[e]), "env_error": bool(traj.env_error[e]),
-                  "unparsed": int((bad_parse & rows).sum()), "invalid": int((traj.invalid & ~bad_parse & rows).sum())})
+                  "unparsed": int((bad_parse & rows).sum()), "invalid": int((traj.invalid & ~bad_parse & rows).sum()),
+                  "record": traj.records[e]})
   return out
 
 
 def evaluate(engine: RolloutEngine, params, env: BatchEnv, tasks: Sequence[Task], key: jax.Array, *,
-             batch_size: int | None = None) -> dict[str, Any]:
+             batch_size: int | None = None, keep_records: bool = False) -> dict[str, Any]:
   """One episode per task; returns success (with interval), turn and failure statistics, per-game results and the
-  per-task outcomes (task id, success, turns) in task order. `batch_size` defaults to the number of tasks.
+  per-task outcomes (task id, success, turns) in task order. `batch_size` defaults to the number of tasks. With
+  `keep_records`, also `records`: the episodes themselves (TrajectoryRecords, in the same order; not JSON), so a
+  caller can show what the policy did.
 
   An episode the env failed on (dreamjax.envs.base.ENV_ERROR: its process died, it raised) measures nothing: its task
   is run once more (the batch env rebuilds a failed env), and a task whose rerun fails too is left out of every
@@ -177,7 +180,7 @@ def evaluate(engine: RolloutEngine, params, env: BatchEnv, tasks: Sequence[Task]
       "per_game": {g: rate_with_interval(int(sum(v)), len(v)) for g, v in sorted(by_game.items())},
       "outcomes": [[t.task_id, r["success"], r["turns"]] for t, r in kept],
       "eval_s": time.perf_counter() - start,
-  }
+  } | ({"records": [r["record"] for _, r in kept]} if keep_records else {})
 
 
 @dataclasses.dataclass(frozen=True)
