@@ -1,12 +1,14 @@
 """Real-env GRPO on the MiniWoB candidate testbed (configs/collect_miniwob.py:headroom's eight tasks), from
-configs/train_policy_miniwob.py's SFT policy (0.494 greedy on 20 held-out pages of each task; random play 0.056).
+configs/train_policy_miniwob.py's SFT policy (0.506 greedy on 20 held-out pages of each task; random play 0.056).
 Issue 18's item 1c asks +0.25 within 60 minutes on 2 cores. A MiniWoB step drives a real browser (two Chromium
 processes per env), so an iteration's 16 tasks x 8 episodes are played 32 at a time (`rollout.max_rows`: 128 browsers
 at once exhausted the 24 GB), each env in a two-process pool; the checks every 10 iterations run 5 held-out pages of
 each task. Measured (experiments/RESULTS.md, twenty-fourth stop) from the earlier SFT policy (0.375, no value
 copies, which never typed the goal's value when sampling): about 76 s an iteration; 40 iterations (53 minutes) did
 not gain: +0.013 greedy and +0.075 sampled on the 160 held-out pages, with 61% of the groups' returns equal. From
-the 0.494 policy, which copies names, only a 12-iteration probe has run (RESULTS, twenty-fifth stop).
+the 0.494 policy trained with value copies, which copies names (twenty-sixth stop): 40 iterations in 46 minutes,
++0.000 greedy and +0.006 sampled; the pages left are passwords and lookups the policy never gets exactly right, so
+their groups give no gradient. From the config's SFT policy (no copies, 0.506) GRPO has not run yet.
 
 Warm start: runs/headroom/miniwob_sft/checkpoint (`dreamjax train-policy --config configs/train_policy_miniwob.py`).
 Run:  dreamjax rl --config configs/grpo_real_miniwob.py

@@ -10,11 +10,12 @@ Run:   dreamjax train-policy --config configs/train_policy_miniwob.py
 Tiny (two tasks, 20 steps; it measures nothing):
        dreamjax collect --config configs/collect_miniwob.py:tiny
        dreamjax train-policy --config configs/train_policy_miniwob.py:tiny
-Measured (experiments/RESULTS.md, twenty-fourth and twenty-fifth stops), held-out success over 20 pages of each
-task (seeds from 1,000,000), against 0.056 for random play: 0.494 [0.417, 0.570] with three value copies of each
-quoting episode and 3,600 steps (33 minutes on 2 cores; enter-text 17 and enter-text-2 13 of 20); 0.375 without
-copies at 1,200 steps (12 minutes), where the policy typed names it had memorised; 0.175 with the copies at 1,200
-steps (1.9 epochs: underfit). `summary.json` holds it per task, and the fit on 5 training pages.
+Measured (experiments/RESULTS.md, twenty-fourth to twenty-sixth stops), held-out success over 20 pages of each
+task (seeds from 1,000,000), against 0.056 for random play: 0.506 [0.430, 0.583] greedy and 0.456 sampled after
+3,600 steps (about 33 minutes on 2 cores; enter-text 18 and enter-text-2 15 of 20, passwords never); 0.375 at 1,200
+steps, where the policy typed names it had memorised. Three value copies of each quoting episode
+(`value_copies=3`) scored the same at 3,600 steps (0.494), so they are off. `summary.json` holds it per task, and the
+fit on 5 training pages.
 """
 
 import dataclasses
@@ -34,11 +35,10 @@ HERE = Path(__file__).parent
 
 
 def config() -> PolicySftConfig:
-  steps = 3600  # 5.8 epochs over the rows with copies; 1,200 steps were 5.6 without
+  steps = 3600  # 17 passes over the rows; 1,200 steps (0.375) left the policy typing names it had memorised
   data = load_config(f"{HERE / 'collect_miniwob.py'}:headroom")
   return PolicySftConfig(
       data=(f"{data.out_dir}/trajectories.jsonl",),
-      value_copies=3,  # the typing tasks' goals quote the value to type: copies teach copying it (0.375 -> 0.494)
       env="miniwob",
       env_kwargs=("max_steps=8",),  # the experts need 1-3 steps on these tasks
       agent=AgentFormat(think=False, history_turns=2, history_token_budget=128, max_admissible=50),

@@ -78,7 +78,8 @@ class PolicySftConfig(RunConfig):
   # Offline real transitions the run may learn from (whole episodes in file order; 0: all): the paper's SFT budget.
   data_transitions: int = 0
   # Copies of each episode whose goal quotes values (MiniWoB's Enter "Tula"...), the values replaced by others of the
-  # same shape in each (dreamjax.loop.value_copies): they teach copying the goal's value; 0: none.
+  # same shape in each (dreamjax.loop.value_copies), meant to teach copying the goal's value; 0: none. On MiniWoB
+  # they gained nothing over as many steps without them (experiments/RESULTS.md, twenty-sixth stop).
   value_copies: int = 0
   env: str = "textworld_express"
   env_kwargs: tuple[str, ...] = ("step_limit=50",)  # "key=value", as in CollectConfig
