@@ -55,7 +55,7 @@ from dreamjax.data.collect import CollectConfig, collect
 from dreamjax.envs.base import SerialBatchEnv  # noqa: E402
 from dreamjax.envs.registry import parse_env_kwargs
 from dreamjax.envs.textworld_express import TextWorldExpressEnv  # noqa: E402
-from dreamjax.loop.evaluate import EvalConfig
+from dreamjax.loop.evaluate import EvalConfig, paired_gain
 from dreamjax.loop.learner import TaskSpec
 from dreamjax.loop.model import ModelSource
 from dreamjax.loop.policy_data import RowConfig
@@ -131,9 +131,8 @@ def _row(name: str, transitions: int, e: dict[str, Any]) -> str:
 def paired(out: Path, algorithm: str, key: str) -> tuple[int, int]:
   """Held-out tasks solved at the end but not at the start (gained) and the reverse (lost), by `key` outcomes."""
   evals = [json.loads(line) for line in (out / algorithm / "evals.jsonl").read_text().splitlines()]
-  before = {t: ok for t, ok, _ in evals[0][key]}
-  after = {t: ok for t, ok, _ in evals[-1][key]}
-  return sum(after[t] and not before[t] for t in before), sum(before[t] and not after[t] for t in before)
+  gain = paired_gain(evals[0][key], evals[-1][key], resamples=1)
+  return gain["won"], gain["lost"]
 
 
 def report(out: Path, sft: dict[str, Any], runs: dict[str, dict[str, Any]], argv: list[str], warm_start: str) -> str:

@@ -89,7 +89,8 @@ def rate_with_interval(successes: int, n: int) -> dict[str, float | int]:
 def paired_gain(before: list, after: list, resamples: int = 10_000, seed: int = 0) -> dict[str, Any]:
   """After's success rate minus before's over the tasks both evaluated (each an `outcomes` list of `evaluate`:
   (task id, success, turns)), with a 95% percentile bootstrap interval over tasks: the two policies are compared on
-  the same tasks, so the interval is that of the per-task differences, far narrower than two Wilson intervals'.
+  the same tasks, so the interval is that of the per-task differences: where the two agree on most tasks, far
+  narrower than an unpaired comparison of the two rates.
   `won`/`lost`: tasks solved only after/only before; `unpaired`: tasks only one side has (env failures left out)."""
   b = {t: bool(ok) for t, ok, *_ in before}
   a = {t: bool(ok) for t, ok, *_ in after}
