@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
-from dreamjax.loop.evaluate import paired_gain, task_family  # noqa: E402
+from dreamjax.loop.evaluate import paired_gain  # noqa: E402
 
 
 def load_eval(path: str) -> dict[str, Any]:
@@ -27,16 +27,10 @@ def load_eval(path: str) -> dict[str, Any]:
     result = json.loads(Path(path).read_text())
   except (OSError, json.JSONDecodeError) as e:
     raise SystemExit(f"{path}: not a readable eval.json ({e})") from e
-  if "outcomes" not in result:
-    raise SystemExit(f"{path}: no 'outcomes' field; expected the eval.json `dreamjax eval` writes")
+  for field in ("outcomes", "per_game", "success_rate"):
+    if field not in result:
+      raise SystemExit(f"{path}: no {field!r} field; expected the eval.json `dreamjax eval` writes")
   return result
-
-
-def per_game(outcomes: list) -> dict[str, int]:
-  counts: dict[str, int] = {}
-  for task_id, ok, *_ in outcomes:
-    counts[task_family(task_id)] = counts.get(task_family(task_id), 0) + int(bool(ok))
-  return counts
 
 
 def compare(before: dict[str, Any], after: dict[str, Any], resamples: int) -> dict[str, Any]:
@@ -44,8 +38,9 @@ def compare(before: dict[str, Any], after: dict[str, Any], resamples: int) -> di
   if "sampled" in before and "sampled" in after:
     modes["sampled"] = (before["sampled"], after["sampled"])
   return {mode: paired_gain(b["outcomes"], a["outcomes"], resamples=resamples) |
-          {"before": b["success_rate"], "after": a["success_rate"], "before_per_game": per_game(b["outcomes"]),
-           "after_per_game": per_game(a["outcomes"])}
+          {"before": b["success_rate"], "after": a["success_rate"],
+           "before_per_game": {g: r["successes"] for g, r in b["per_game"].items()},
+           "after_per_game": {g: r["successes"] for g, r in a["per_game"].items()}}
           for mode, (b, a) in modes.items()}
 
 

@@ -47,8 +47,10 @@ def test_tasks_are_paired_by_id_and_the_unpaired_are_counted():
 
 def test_the_script_compares_greedy_and_sampled_and_names_a_bad_file(tmp_path, capsys):
   def write(name, greedy, sampled):
-    ev = {"success_rate": greedy.count("1") / len(greedy), "outcomes": outcomes(greedy, "click-link"),
-          "sampled": {"success_rate": sampled.count("1") / len(sampled), "outcomes": outcomes(sampled, "click-link")}}
+    def side(pattern):
+      return {"success_rate": pattern.count("1") / len(pattern), "outcomes": outcomes(pattern, "click-link"),
+              "per_game": {"click-link": {"successes": pattern.count("1")}}}
+    ev = side(greedy) | {"sampled": side(sampled)}
     (tmp_path / name).write_text(json.dumps(ev))
     return str(tmp_path / name)
 

@@ -74,10 +74,10 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
   return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def task_family(task_id: str) -> str:
-  """The per-game key of evaluation results: a task id's first path component (TWX "coin[numLocations=2]", ALFWorld
+def task_family(task: Task) -> str:
+  """The per-game key of evaluation results: the task id's first path component (TWX "coin[numLocations=2]", ALFWorld
   task types, MiniWoB task names), so it needs no env-specific code."""
-  return task_id.split("/", 1)[0]
+  return task.task_id.split("/", 1)[0]
 
 
 def rate_with_interval(successes: int, n: int) -> dict[str, float | int]:
@@ -163,7 +163,7 @@ def evaluate(engine: RolloutEngine, params, env: BatchEnv, tasks: Sequence[Task]
   env_steps = total_turns - parse_failures
   by_game: dict[str, list[bool]] = defaultdict(list)
   for task, r in kept:
-    by_game[task_family(task.task_id)].append(r["success"])
+    by_game[task_family(task)].append(r["success"])
   return {
       **rate_with_interval(sum(r["success"] for _, r in kept), n),
       "mean_reward": float(np.mean([r["reward"] for _, r in kept])) if n else 0.0,
