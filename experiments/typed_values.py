@@ -1,0 +1,80 @@
+"""What a policy typed against what the goal quoted, per task: from the episodes `dreamjax eval` writes
+(episodes.jsonl, sampled_episodes.jsonl). It tells a policy that copies the goal's value from one that types values
+it memorised or only the right length: MiniWoB's passwords are random characters, so a policy that does not copy
+types them right at chance (about 1 character in 62).
+
+Each `fill(ref, 'text')` of an episode is compared with the value its instruction quotes that it matches best,
+letter case ignored (enter-text-2 asks for the quoted value in the other case). Per task: the fills, those typed
+exactly, and the share of the quoted value's characters typed right in their place (a shorter or longer fill counts
+the missing or extra characters as wrong).
+
+Run: `python experiments/typed_values.py runs/eval/sft/episodes.jsonl [more files] [--out F.json]`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+from dreamjax.data.records import TrajectoryRecord, read_trajectories  # noqa: E402
+from dreamjax.loop.value_copies import quoted_values  # noqa: E402
+
+_FILL = re.compile(r"""fill\('[^']*', '(.*)'\)$""")
+
+
+def chars_right(value: str, typed: str) -> int:
+  return sum(a == b for a, b in zip(value.lower(), typed.lower()))
+
+
+def typed_values(records: list[TrajectoryRecord]) -> dict[str, dict[str, Any]]:
+  """Per task family (the task id before its first '/'): fills, exact fills and character accuracy."""
+  counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])  # fills, exact, characters right, characters
+  for record in records:
+    values = quoted_values(record.instruction)
+    if not values:
+      continue
+    task = record.task.task_id.split("/")[0]
+    for step in record.steps:
+      match = _FILL.match(step.action.strip())
+      if not match:
+        continue
+      typed = match.group(1)
+      value = max(values, key=lambda v: chars_right(v, typed))
+      c = counts[task]
+      c[0] += 1
+      c[1] += typed.lower() == value.lower()
+      c[2] += chars_right(value, typed)
+      c[3] += max(len(value), len(typed))
+  return {task: {"fills": f, "exact": e, "char_accuracy": right / max(total, 1)}
+          for task, (f, e, right, total) in sorted(counts.items())}
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("episodes", nargs="+", help="episodes.jsonl files written by `dreamjax eval`")
+  parser.add_argument("--out", default="", help="also write the numbers to this JSON file")
+  args = parser.parse_args(argv)
+  try:
+    result = {path: typed_values(read_trajectories(path)) for path in args.episodes}
+  except (OSError, ValueError) as e:  # the record errors name the file, line and field
+    raise SystemExit(str(e)) from e
+  for path, per_task in result.items():
+    print(path)
+    for task, r in per_task.items():
+      print(f"  {task}: {r['exact']} of {r['fills']} fills exact, characters right {r['char_accuracy']:.3f}")
+  if args.out:
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
