@@ -5,8 +5,9 @@ types them right at chance (about 1 character in 62).
 
 Each `fill(ref, 'text')` of an episode is compared with the value its instruction quotes that it matches best,
 letter case ignored (enter-text-2 asks for the quoted value in the other case). Per task: the fills, those typed
-exactly, and the share of the quoted value's characters typed right in their place (a shorter or longer fill counts
-the missing or extra characters as wrong).
+exactly, the share of the quoted value's characters typed right in their place (a shorter or longer fill counts
+the missing or extra characters as wrong), and the share of the typed characters that the value holds anywhere
+(its characters in another order score high here and low in place).
 
 Run: `python experiments/typed_values.py runs/eval/sft/episodes.jsonl [more files] [--out F.json]`
 """
@@ -17,7 +18,7 @@ import argparse
 import json
 import re
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,8 @@ def chars_right(value: str, typed: str) -> int:
 
 def typed_values(records: list[TrajectoryRecord]) -> dict[str, dict[str, Any]]:
   """Per task family (the task id before its first '/'): fills, exact fills and character accuracy."""
-  counts: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])  # fills, exact, characters right, characters
+  # fills, exact, characters right in place, characters compared, typed characters the value holds, typed characters
+  counts: dict[str, list[int]] = defaultdict(lambda: [0] * 6)
   for record in records:
     values = quoted_values(record.instruction)
     if not values:
@@ -54,8 +56,10 @@ def typed_values(records: list[TrajectoryRecord]) -> dict[str, dict[str, Any]]:
       c[1] += typed.lower() == value.lower()
       c[2] += chars_right(value, typed)
       c[3] += max(len(value), len(typed))
-  return {task: {"fills": f, "exact": e, "char_accuracy": right / max(total, 1)}
-          for task, (f, e, right, total) in sorted(counts.items())}
+      c[4] += sum((Counter(value.lower()) & Counter(typed.lower())).values())
+      c[5] += len(typed)
+  return {task: {"fills": f, "exact": e, "char_accuracy": right / max(total, 1), "chars_in_value": held / max(n, 1)}
+          for task, (f, e, right, total, held, n) in sorted(counts.items())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
   for path, per_task in result.items():
     print(path)
     for task, r in per_task.items():
-      print(f"  {task}: {r['exact']} of {r['fills']} fills exact, characters right {r['char_accuracy']:.3f}")
+      print(f"  {task}: {r['exact']} of {r['fills']} fills exact, characters right {r['char_accuracy']:.3f}, typed "
+            f"characters the value holds {r['chars_in_value']:.3f}")
   if args.out:
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
   return 0
