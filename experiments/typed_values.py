@@ -1,7 +1,8 @@
 """What a policy typed against what the goal quoted, per task: from the episodes `dreamjax eval` writes
 (episodes.jsonl, sampled_episodes.jsonl). It tells a policy that copies the goal's value from one that types values
-it memorised or only the right length: MiniWoB's passwords are random characters, so a policy that does not copy
-types them right at chance (about 1 character in 62).
+it memorised or only the right length. MiniWoB's passwords are random letters and digits: a policy that does not
+copy gets about 0.03 of their characters right in place (letter case ignored), and about 0.10 of the characters it
+types are in the password, by chance (experiments/RESULTS.md, twenty-seventh stop).
 
 Each `fill(ref, 'text')` of an episode is compared with the value its instruction quotes that it matches best,
 letter case ignored (enter-text-2 asks for the quoted value in the other case). Per task: the fills, those typed
@@ -37,7 +38,8 @@ def chars_right(value: str, typed: str) -> int:
 
 
 def typed_values(records: list[TrajectoryRecord]) -> dict[str, dict[str, Any]]:
-  """Per task family (the task id before its first '/'): fills, exact fills and character accuracy."""
+  """Per task family (the task id before its first '/'): fills, exact fills, the share of characters right in place
+  and the share of typed characters the value holds."""
   # fills, exact, characters right in place, characters compared, typed characters the value holds, typed characters
   counts: dict[str, list[int]] = defaultdict(lambda: [0] * 6)
   for record in records:
