@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
 from dreamjax.data.records import TrajectoryRecord, read_trajectories  # noqa: E402
+from dreamjax.loop.evaluate import task_family  # noqa: E402
 from dreamjax.loop.value_copies import quoted_values  # noqa: E402
 
 _FILL = re.compile(r"""fill\('[^']*', '(.*)'\)$""")
@@ -38,7 +39,7 @@ def chars_right(value: str, typed: str) -> int:
 
 
 def typed_values(records: list[TrajectoryRecord]) -> dict[str, dict[str, Any]]:
-  """Per task family (the task id before its first '/'): fills, exact fills, the share of characters right in place
+  """Per task family (`task_family`, the key of eval.json's per_game): fills, exact fills, the share of characters right in place
   and the share of typed characters the value holds."""
   # fills, exact, characters right in place, characters compared, typed characters the value holds, typed characters
   counts: dict[str, list[int]] = defaultdict(lambda: [0] * 6)
@@ -46,7 +47,7 @@ def typed_values(records: list[TrajectoryRecord]) -> dict[str, dict[str, Any]]:
     values = quoted_values(record.instruction)
     if not values:
       continue
-    task = record.task.task_id.split("/")[0]
+    task = task_family(record.task)
     for step in record.steps:
       match = _FILL.match(step.action.strip())
       if not match:
