@@ -95,6 +95,13 @@ def test_rows_are_the_rollout_prompt_plus_the_answer(collected, tok):
   parsed = parse_answer(tok.decode(templated[0].answer_ids[:-1]))
   assert parsed.action == by_id[templated[0].episode_id].steps[templated[0].turn].action
   assert parsed.action in parsed.think and len(templated) == len(rows)
+  # prompt_loss: the same rows, every token but the first a target
+  lm, lm_stats = sft_rows(records, tok, FMT, RowConfig(prompt_loss=True), ROLLOUT)
+  assert [(r.episode_id, r.turn, r.prompt_len) for r in lm] == [(r.episode_id, r.turn, r.prompt_len) for r in rows]
+  for a, b in zip(rows, lm):
+    np.testing.assert_array_equal(a.ids, b.ids)
+    np.testing.assert_array_equal(b.loss_mask, np.r_[0, np.ones(len(b.ids) - 1)])
+  assert lm_stats == stats and stats["answer_tokens"] == sum(int(r.loss_mask.sum()) for r in rows)
 
 
 def test_history_is_dropped_exactly_as_the_rollout_engine_drops_it(collected, tok):

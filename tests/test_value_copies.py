@@ -143,6 +143,17 @@ def test_copies_only_of_quoting_episodes_seeded_and_drawn_anew():
     PolicySftConfig(value_copies=-1)
 
 
+def test_made_up_copies_never_draw_the_records_values():
+  # two episodes quoting values of the same shapes: drawn from the records, each copy takes the other's values
+  records = [login_user(), renamed_login("tulane", "42Q")]
+  drawn = {v for c in value_copies(records, 5, seed=0) for v in quoted_values(c.instruction)}
+  assert drawn == {"cierra", "tulane", "11L", "42Q"}
+  made = [quoted_values(c.instruction) for c in value_copies(records, 5, seed=0, made_up_values=True)]
+  values = [v for vs in made for v in vs]
+  assert len(made) == 10 and not set(values) & drawn and len(set(values)) == len(values)
+  assert all([shape(u), shape(p)] == ["aaaaaa", "00A"] for u, p in made)
+
+
 def test_behaviour_cloning_rows_of_a_copy_type_the_new_value(tmp_path):
   records = [login_user(), enter_text_2()]
   fmt = AgentFormat(think=False, history_turns=2, history_token_budget=128)

@@ -81,6 +81,9 @@ class PolicySftConfig(RunConfig):
   # same shape in each (dreamjax.loop.value_copies), meant to teach copying the goal's value; 0: none. On MiniWoB
   # they gained nothing over as many steps without them (experiments/RESULTS.md, twenty-sixth stop).
   value_copies: int = 0
+  # The copies' values all made up character by character (value_copies.made_up) instead of drawn from the values
+  # the records quote: no value comes back, so memorising cannot predict a copy's answer.
+  value_copies_made_up: bool = False
   env: str = "textworld_express"
   env_kwargs: tuple[str, ...] = ("step_limit=50",)  # "key=value", as in CollectConfig
   agent: AgentFormat = AgentFormat(think=False)
@@ -143,7 +146,8 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, run: RunFolder, tracker: 
   model_dir, model_cfg, params, tokenizer = prepare_model(
       cfg.model, out / "init_model", lambda: policy_texts(records, cfg.agent, cfg.rows.think), seed=cfg.seed, mesh=mesh,
       overrides=cfg.model.overrides())
-  copies = value_copies(records, cfg.value_copies, cfg.seed)  # after the tokenizer, which learns real text only
+  # after the tokenizer, which learns real text only
+  copies = value_copies(records, cfg.value_copies, cfg.seed, cfg.value_copies_made_up)
   rows, row_stats = sft_rows([*records, *copies], tokenizer, cfg.agent, cfg.rows, cfg.rollout)
   row_stats["value_copies"] = len(copies)
   if not rows:

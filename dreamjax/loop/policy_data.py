@@ -59,6 +59,9 @@ class RowConfig:
   step_sources: tuple[str, ...] = ("expert", "policy")  # step sources that are cloned (not random/fallback)
   skip_invalid: bool = True  # never clone an action the env rejected
   think: str = "auto"  # auto | none | template (see the module docstring)
+  # Also train on the prompt's tokens (every one after the first), as a language model: a prompt repeats the goal in
+  # each state and the history's actions type its values, so predicting them is practice in copying from the context.
+  prompt_loss: bool = False
 
   def __post_init__(self):
     if self.think not in THINK_MODES:
@@ -89,7 +92,7 @@ class TurnRow:
   """One turn as the update sees it: prompt ids then answer ids and end-of-turn, with its 0/1 loss mask."""
 
   ids: Int[np.ndarray, " T"]  # int32
-  loss_mask: Int[np.ndarray, " T"]  # int32, 1 exactly on the answer and end-of-turn
+  loss_mask: Int[np.ndarray, " T"]  # int32, 1 exactly on the answer and end-of-turn (RowConfig.prompt_loss: all but the first)
   prompt_len: int  # ids[:prompt_len] is what the sampler is given
   episode_id: str
   turn: int
@@ -174,6 +177,12 @@ def episode_rows(record: TrajectoryRecord, tokenizer: Tokenizer, fmt: AgentForma
   return rows
 
 
+def _with_prompt_loss(row: TurnRow) -> TurnRow:
+  mask = np.ones_like(row.loss_mask)
+  mask[0] = 0  # nothing predicts the first token
+  return dataclasses.replace(row, loss_mask=mask)
+
+
 def sft_rows(records: Iterable[TrajectoryRecord], tokenizer: Tokenizer, fmt: AgentFormat, cfg: RowConfig,
              rollout: RolloutConfig) -> tuple[list[TurnRow], dict[str, int]]:
   """Behaviour-cloning rows of the demonstration turns in `records` (see `RowConfig`), and counts of what was kept
@@ -199,9 +208,10 @@ def sft_rows(records: Iterable[TrajectoryRecord], tokenizer: Tokenizer, fmt: Age
         stats["skipped_invalid"] += 1
       else:
         turns.append(t)
-    rows += episode_rows(record, tokenizer, fmt, rollout, cfg.think, turns, stats)
+    rows += [_with_prompt_loss(r) if cfg.prompt_loss else r
+             for r in episode_rows(record, tokenizer, fmt, rollout, cfg.think, turns, stats)]
   stats["rows"] = len(rows)
-  stats["answer_tokens"] = int(sum(int(r.loss_mask.sum()) for r in rows))
+  stats["answer_tokens"] = sum(len(r.ids) - r.prompt_len for r in rows)
   return rows, dict(sorted(stats.items()))
 
 

@@ -120,10 +120,11 @@ def value_copy(record: TrajectoryRecord, pool: ValuePool, rng: np.random.Generat
   return dataclasses.replace(record, instruction=text(record.instruction), steps=steps), mapping
 
 
-def value_copies(records: Sequence[TrajectoryRecord], copies: int, seed: int) -> list[TrajectoryRecord]:
-  """`copies` copies of each record whose instruction quotes values, with values drawn anew for every copy from
-  the records' own (seeded by `seed` and the copy's number)."""
-  pool, out = ValuePool.of(records), []
+def value_copies(records: Sequence[TrajectoryRecord], copies: int, seed: int, made_up_values: bool = False
+                 ) -> list[TrajectoryRecord]:
+  """`copies` copies of each record whose instruction quotes values, with values drawn anew for every copy (seeded
+  by `seed` and the copy's number): from the records' own, or all made up when `made_up_values` (an empty pool)."""
+  pool, out = ValuePool({}) if made_up_values else ValuePool.of(records), []
   for j in range(copies):
     rng = np.random.default_rng([seed, j])
     out += [c[0] for r in records if (c := value_copy(r, pool, rng)) is not None]
