@@ -16,6 +16,11 @@ task (seeds from 1,000,000), against 0.056 for random play: 0.506 [0.430, 0.583]
 steps, where the policy typed names it had memorised. Three value copies of each quoting episode
 (`value_copies=3`) scored the same at 3,600 steps (0.494), so they are off. `summary.json` holds it per task, and the
 fit on 5 training pages.
+
+A policy that copies (twenty-eighth stop): `dreamjax train-policy --config configs/train_policy_miniwob.py:copying`
+adds 5 copies of each quoting episode with made-up values and puts the prompt's tokens in the loss, so the prompt's
+repeated goal teaches the copy: 0.600 [0.523, 0.673] greedy, enter-password 18 and login-user 20 of 20 (passwords
+had never been typed right before), enter-date 1 (from 20) and enter-text-2 8 (from 15); 43 minutes beside a test run.
 """
 
 import dataclasses
@@ -66,3 +71,9 @@ def tiny() -> PolicySftConfig:
       optim=dataclasses.replace(cfg.optim, total_steps=20),
       eval=dataclasses.replace(cfg.eval, games=("click-button", "enter-text"), num_tasks=2, train_tasks=0, num_envs=2),
       out_dir="runs/headroom/miniwob_sft_tiny")
+
+
+def copying() -> PolicySftConfig:
+  return dataclasses.replace(config(), value_copies=5, value_copies_made_up=True,
+                             rows=dataclasses.replace(config().rows, prompt_loss=True),
+                             out_dir="runs/headroom/miniwob_sft_copying")
