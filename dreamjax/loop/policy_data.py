@@ -92,7 +92,8 @@ class TurnRow:
   """One turn as the update sees it: prompt ids then answer ids and end-of-turn, with its 0/1 loss mask."""
 
   ids: Int[np.ndarray, " T"]  # int32
-  loss_mask: Int[np.ndarray, " T"]  # int32, 1 exactly on the answer and end-of-turn (RowConfig.prompt_loss: all but the first)
+  # int32, 1 exactly on the answer and end-of-turn (with RowConfig.prompt_loss: on every token but the first)
+  loss_mask: Int[np.ndarray, " T"]
   prompt_len: int  # ids[:prompt_len] is what the sampler is given
   episode_id: str
   turn: int
