@@ -74,6 +74,7 @@ def tiny() -> PolicySftConfig:
 
 
 def copying() -> PolicySftConfig:
-  return dataclasses.replace(config(), value_copies=5, value_copies_made_up=True,
-                             rows=dataclasses.replace(config().rows, prompt_loss=True),
+  cfg = config()
+  return dataclasses.replace(cfg, value_copies=5, value_copies_made_up=True,
+                             rows=dataclasses.replace(cfg.rows, prompt_loss=True),
                              out_dir="runs/headroom/miniwob_sft_copying")

@@ -39,8 +39,8 @@ def chars_right(value: str, typed: str) -> int:
 
 
 def typed_values(records: list[TrajectoryRecord]) -> dict[str, dict[str, Any]]:
-  """Per task family (`task_family`, the key of eval.json's per_game): fills, exact fills, the share of characters right in place
-  and the share of typed characters the value holds."""
+  """Per task family (`task_family`, the key of eval.json's per_game): fills, exact fills, the share of characters
+  right in place and the share of typed characters the value holds."""
   # fills, exact, characters right in place, characters compared, typed characters the value holds, typed characters
   counts: dict[str, list[int]] = defaultdict(lambda: [0] * 6)
   for record in records:
