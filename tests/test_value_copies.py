@@ -1,8 +1,8 @@
 """Copies of demonstrations with the goal's quoted values replaced (dreamjax.loop.value_copies), on episodes written
 like MiniWoB's recorded ones: new values from the records' own of the same shape (made up where there is none), one
 mapping over every text, the values' shapes kept (so a password field's bullets stay right), upper- and lower-case
-forms mapped alike, nothing copied where nothing is quoted, and the copies' behaviour-cloning answers typing the new
-value."""
+forms mapped alike, dates stated unquoted made up and typed in the date field's form, nothing copied where nothing is
+quoted or dated, and the copies' behaviour-cloning answers typing the new value."""
 
 import dataclasses
 import string
@@ -15,7 +15,8 @@ from dreamjax.data.records import StepRecord, TrajectoryRecord
 from dreamjax.envs.base import Task
 from dreamjax.experience.rename import names_pattern, rename_text
 from dreamjax.loop.policy_data import RowConfig, policy_texts, sft_rows
-from dreamjax.loop.value_copies import ValuePool, made_up, quoted_values, shape, value_copies, value_copy
+from dreamjax.loop.value_copies import (ValuePool, iso_date, made_up, quoted_values, shape, stated_dates, value_copies,
+                                        value_copy)
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
 from dreamjax.text.tokenizer import train_bpe_tokenizer
@@ -44,6 +45,13 @@ def enter_text_2() -> TrajectoryRecord:
   return _record("enter-text-2", goal, ["Enter Text Task\n[16] textbox: (unlabelled)",
                                         'Enter Text Task\n[16] textbox: (unlabelled) (value: "MYRON")', "Done"],
                  ["fill('16', 'MYRON')", "click('20')"])
+
+
+def enter_date() -> TrajectoryRecord:
+  return _record("enter-date", "Enter 02/04/2012 as the date and hit submit.",
+                 ["Enter Date Task\n[14] Date: (unlabelled)",
+                  'Enter Date Task\n[14] Date: (unlabelled) (value: "2012-02-04", focused)', "Done"],
+                 ["fill('14', '2012-02-04')", "click('15')"])
 
 
 def click_button_sequence() -> TrajectoryRecord:
@@ -76,6 +84,31 @@ def test_quoted_values_in_order_once():
   assert quoted_values(login_user().instruction) == ["cierra", "11L"]
   assert quoted_values('Enter "a b" and "a b" then "c"') == ["a b", "c"]
   assert quoted_values("Click button ONE, then click button TWO.") == []
+
+
+def test_dates_stated_outside_quotes_and_their_iso_form():
+  assert stated_dates(enter_date().instruction) == ["02/04/2012"]
+  assert stated_dates('Enter "02/04/2012" by 03/05/2013, not 3/5/2013 or 103/05/2013 or 03/05/20134') == ["03/05/2013"]
+  assert iso_date("02/04/2012") == "2012-02-04"
+
+
+def test_a_date_copy_types_the_new_date_and_its_year_is_made_up():
+  copies = value_copies([enter_date()] * 20, 1, seed=0)  # the records' own dates are never drawn
+  years = set()
+  for copy in copies:
+    (date,) = stated_dates(copy.instruction)
+    month, day, year = map(int, date.split("/"))
+    assert 1 <= month <= 12 and 1 <= day <= 28 and 1000 <= year <= 2999 and date != "02/04/2012"
+    assert copy.steps[0].action == f"fill('14', '{iso_date(date)}')" and copy.steps[1].action == "click('15')"
+    assert f'(value: "{iso_date(date)}", focused)' in copy.steps[0].next_state
+    assert not any("2012" in t for t in _texts(copy))
+    years.add(year)
+  assert len(years) > 10
+  copy, mapping = value_copy(enter_date(), POOL, np.random.default_rng(0))
+  (date,) = stated_dates(copy.instruction)
+  assert mapping == {"02/04/2012": date, "2012-02-04": iso_date(date)}
+  inverse = {n: o for o, n in mapping.items()}
+  assert [rename_text(t, inverse, names_pattern(inverse)) for t in _texts(copy)] == _texts(enter_date())
 
 
 def test_made_up_values_keep_the_shape():
@@ -132,12 +165,12 @@ def test_the_typed_value_follows_the_goal_in_every_form():
 
 
 def test_copies_only_of_quoting_episodes_seeded_and_drawn_anew():
-  records = [login_user(), click_button_sequence(), enter_text_2()]
+  records = [login_user(), click_button_sequence(), enter_text_2(), enter_date()]
   assert value_copy(click_button_sequence(), POOL, np.random.default_rng(0)) is None
   copies = value_copies(records, 3, seed=5)
-  assert [c.task.task_id for c in copies] == ["login-user/train/0", "enter-text-2/train/0"] * 3
+  assert [c.task.task_id for c in copies] == ["login-user/train/0", "enter-text-2/train/0", "enter-date/train/0"] * 3
   assert copies == value_copies(records, 3, seed=5) and copies != value_copies(records, 3, seed=6)
-  assert len({c.instruction for c in copies}) == 6
+  assert len({c.instruction for c in copies}) == 9
   assert value_copies(records, 0, seed=5) == []
   with pytest.raises(ValueError, match="PolicySftConfig.value_copies must be >= 0"):
     PolicySftConfig(value_copies=-1)

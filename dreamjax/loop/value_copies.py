@@ -15,6 +15,12 @@ elsewhere (`ValuePool`: names the tokenizer knows as words), and made up charact
 quote no other value of that shape. A value is drawn again if its forms occur in the episode's texts already.
 With `made_up_values` every new value is made up, so none comes back and memorising cannot predict a copy's answer.
 
+Dates the instruction states unquoted as MM/DD/YYYY (enter-date: `Enter 02/04/2012 as the date`) are values too,
+in two forms: as stated, and as YYYY-MM-DD, which the date field's fill types and its value shows. A new date is
+always made up (any month, day 1-28, year 1000-2999), so its year, too, can only be copied. Without date copies a
+policy trained with copies of the other tasks typed enter-date's month and day and a wrong year (RESULTS.md,
+twenty-eighth stop): the copies had outnumbered enter-date's own episodes.
+
 Measured on MiniWoB's eight headroom tasks (experiments/RESULTS.md, twenty-fifth and twenty-sixth stops), 2-layer
 policy, 3,600 steps: three copies 0.494 held-out, no copies 0.506, so at equal steps the copies gave nothing there.
 Training that long (17 passes without copies) taught the policy to copy names from the goal by itself; 1,200 steps
@@ -22,12 +28,13 @@ without copies (0.375) had not. Neither run ever types a password (random charac
 enter-password alone with 30 made-up copies, the policy still typed passwords at chance after 6,000 steps; what
 taught it to copy was the prompt's tokens in the loss (`RowConfig.prompt_loss`: 0.31 of the characters in place
 after 3,000 steps, against 0.03; twenty-eighth stop). With both, 5 copies and 3,600 steps on the eight tasks, the
-policy types passwords (enter-password 18 and login-user 20 of 20, from 0): configs/train_policy_miniwob.py:copying.
+policy types passwords (enter-password 18 and login-user 20 of 20, from 0); with the dates' copies too, 0.713 on the
+eight tasks, enter-date 20 of 20 again (twenty-ninth stop): configs/train_policy_miniwob.py:copying.
 The option stays off by default and in that config's main variant, whose numbers earlier stops measured.
 
 The copy keeps its episode id and task (it stands for the same demonstration), so evaluating on the demonstrated
-tasks is unchanged. Episodes whose instruction quotes nothing (TextWorld-Express, MiniWoB's click tasks without
-quotes) get no copy. The tokenizer is trained on the real records only: the copies are a lesson in copying, not text
+tasks is unchanged. Episodes whose instruction quotes nothing and states no date (TextWorld-Express, MiniWoB's
+click tasks) get no copy. The tokenizer is trained on the real records only: the copies are a lesson in copying, not text
 the policy will meet.
 """
 
@@ -44,6 +51,7 @@ from dreamjax.data.records import TrajectoryRecord
 from dreamjax.experience.rename import names_pattern, rename_text
 
 _QUOTED = re.compile(r'"([^"\n]+)"')
+_DATE = re.compile(r"(?<!\w)\d{2}/\d{2}/\d{4}(?!\w)")
 _TRIES = 100  # draws of a new value before giving up (only a value of one or two characters can run out)
 
 
@@ -52,12 +60,28 @@ def quoted_values(instruction: str) -> list[str]:
   return list(dict.fromkeys(_QUOTED.findall(instruction)))
 
 
+def stated_dates(instruction: str) -> list[str]:
+  """The MM/DD/YYYY dates `instruction` states outside quotes, in order, each once."""
+  return list(dict.fromkeys(_DATE.findall(_QUOTED.sub("", instruction))))
+
+
+def iso_date(date: str) -> str:
+  """An MM/DD/YYYY date as YYYY-MM-DD."""
+  month, day, year = date.split("/")
+  return f"{year}-{month}-{day}"
+
+
+def made_up_date(rng: np.random.Generator) -> str:
+  """An MM/DD/YYYY date drawn at random: any month, a day every month has, a year of 1000-2999."""
+  return f"{rng.integers(1, 13):02d}/{rng.integers(1, 29):02d}/{rng.integers(1000, 3000)}"
+
+
 def _texts(record: TrajectoryRecord) -> list[str]:
   return [record.instruction] + [t for s in record.steps for t in (s.state, s.action, s.next_state)]
 
 
-def _forms(value: str) -> set[str]:
-  return {value, value.upper(), value.lower()}
+_CASES = (str, str.upper, str.lower)  # the forms of a quoted value: enter-text-2 asks for "myron" typed as MYRON
+_DATE_FORMS = (str, iso_date)
 
 
 _CLASSES = (string.ascii_lowercase, string.ascii_uppercase, string.digits)
@@ -95,18 +119,19 @@ class ValuePool:
 
 def value_copy(record: TrajectoryRecord, pool: ValuePool, rng: np.random.Generator
                ) -> tuple[TrajectoryRecord, dict[str, str]] | None:
-  """`record` with its quoted values replaced (module docstring) and the mapping of every form replaced, or None
-  when the instruction quotes nothing or no new value avoids the episode's words."""
-  values = quoted_values(record.instruction)
+  """`record` with its quoted values and stated dates replaced (module docstring) and the mapping of every form
+  replaced, or None when the instruction has neither or no new value avoids the episode's words."""
+  values = [(v, _CASES, pool.draw) for v in quoted_values(record.instruction)] + \
+      [(d, _DATE_FORMS, lambda _, r: made_up_date(r)) for d in stated_dates(record.instruction)]
   if not values:
     return None
   texts = _texts(record)
-  old_forms = set().union(*(_forms(v) for v in values))
+  old_forms = {f(v) for v, fs, _ in values for f in fs}
   mapping: dict[str, str] = {}
-  for value in values:
+  for value, fs, draw in values:
     for _ in range(_TRIES):
-      new = pool.draw(value, rng)
-      forms = {f(value): f(new) for f in (str, str.upper, str.lower)}
+      new = draw(value, rng)
+      forms = {f(value): f(new) for f in fs}
       # no new form may already be a word of the episode, another value's form, or another form's replacement
       if not any(re.search(rf"(?<!\w){re.escape(n)}(?!\w)", t) for n in forms.values() for t in texts) and \
           not set(forms.values()) & (old_forms | set(mapping.values())) and \
@@ -127,8 +152,9 @@ def value_copy(record: TrajectoryRecord, pool: ValuePool, rng: np.random.Generat
 
 def value_copies(records: Sequence[TrajectoryRecord], copies: int, seed: int, made_up_values: bool = False
                  ) -> list[TrajectoryRecord]:
-  """`copies` copies of each record whose instruction quotes values, with values drawn anew for every copy (seeded
-  by `seed` and the copy's number): from the records' own, or all made up when `made_up_values` (an empty pool)."""
+  """`copies` copies of each record whose instruction quotes values or states dates, with values drawn anew for
+  every copy (seeded by `seed` and the copy's number): from the records' own, or all made up when `made_up_values`
+  (an empty pool); dates are always made up."""
   pool, out = ValuePool({}) if made_up_values else ValuePool.of(records), []
   for j in range(copies):
     rng = np.random.default_rng([seed, j])
