@@ -11,7 +11,11 @@ the 0.494 policy trained with value copies, which copies names (twenty-sixth sto
 their groups give no gradient. From the config's SFT policy (no copies, 0.506; twenty-seventh stop): 40 iterations
 in 46 minutes, -0.025 [-0.062, +0.013] greedy and +0.006 sampled. From train_policy_miniwob.py:copying's policy (0.600,
 which types passwords; twenty-eighth stop): 40 iterations in 39 minutes, +0.025 [-0.019, +0.069] greedy (click-link
-6 -> 11 of 20) and +0.031 sampled.
+6 -> 11 of 20) and +0.031 sampled. From the same variant stopped at 1,200 steps (0.281, inside the SFT band;
+twenty-ninth stop): at this lr the 40-page check fell from 0.325 to 0.125 within 10 iterations, click-button-sequence
+from 5 of 5 to 0; at lr 1e-4 (`--set optim.lr=1e-4`), 40 iterations in 45 minutes held it and gained +0.019
+[-0.019, +0.062] greedy and +0.044 sampled. That policy types 9 of 20 passwords greedy but 1 sampled, so its groups
+on the typing tasks hold no success.
 
 Warm start: runs/headroom/miniwob_sft/checkpoint (`dreamjax train-policy --config configs/train_policy_miniwob.py`).
 Run:  dreamjax rl --config configs/grpo_real_miniwob.py

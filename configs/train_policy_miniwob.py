@@ -20,10 +20,11 @@ fit on 5 training pages.
 A policy that copies (twenty-eighth and twenty-ninth stops): `dreamjax train-policy --config
 configs/train_policy_miniwob.py:copying` adds 5 copies of each episode whose goal quotes a value or states a date,
 with made-up values, and puts the prompt's tokens in the loss, so the prompt's repeated goal teaches the copy: 0.713
-[0.638, 0.777] greedy, enter-password, login-user and enter-date 20 of 20 each (passwords had never been typed right
-before), click-option 0, click-link 5 and enter-text-2 9; 27 minutes alone. Without the dates' copies it scored 0.600,
-typing enter-date's years wrong (1 of 20). Stopped at 1,200 steps it scores 0.281, in the issue's SFT band, but
-real-env GRPO from that policy at lr 3e-4 lost it all within 10 iterations (configs/grpo_real_miniwob.py).
+[0.638, 0.777] greedy and 0.637 sampled, enter-password, login-user and enter-date 20 of 20 each (passwords had never
+been typed right before), click-option 0, click-link 5 and enter-text-2 9; 27 minutes alone. Without the dates'
+copies it scored 0.600, typing enter-date's years wrong (1 of 20). Stopped at 1,200 steps (before the dates' copies)
+it scored 0.281 greedy and 0.181 sampled, inside the issue's SFT band, and real-env GRPO from it gained +0.019 at
+best (configs/grpo_real_miniwob.py).
 """
 
 import dataclasses
