@@ -18,8 +18,8 @@ With `made_up_values` every new value is made up, so none comes back and memoris
 Dates the instruction states unquoted as MM/DD/YYYY (enter-date: `Enter 02/04/2012 as the date`) are values too,
 in two forms: as stated, and as YYYY-MM-DD, which the date field's fill types and its value shows. A new date is
 always made up (any month, day 1-28, year 1000-2999), so its year, too, can only be copied. Without date copies a
-policy trained with copies of the other tasks typed enter-date's month and day and a wrong year (RESULTS.md,
-twenty-eighth stop): the copies had outnumbered enter-date's own episodes.
+policy trained with copies of the other tasks typed enter-date's month and day and a wrong year
+(experiments/RESULTS.md, twenty-eighth stop): the copies had outnumbered enter-date's own episodes.
 
 Measured on MiniWoB's eight headroom tasks (experiments/RESULTS.md, twenty-fifth and twenty-sixth stops), 2-layer
 policy, 3,600 steps: three copies 0.494 held-out, no copies 0.506, so at equal steps the copies gave nothing there.
@@ -34,8 +34,8 @@ The option stays off by default and in that config's main variant, whose numbers
 
 The copy keeps its episode id and task (it stands for the same demonstration), so evaluating on the demonstrated
 tasks is unchanged. Episodes whose instruction quotes nothing and states no date (TextWorld-Express, MiniWoB's
-click tasks) get no copy. The tokenizer is trained on the real records only: the copies are a lesson in copying, not text
-the policy will meet.
+click tasks) get no copy. The tokenizer is trained on the real records only: the copies are a lesson in copying,
+not text the policy will meet.
 """
 
 from __future__ import annotations
