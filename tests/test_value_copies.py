@@ -13,10 +13,10 @@ import pytest
 from dreamjax.commands.train_policy import PolicySftConfig
 from dreamjax.data.records import StepRecord, TrajectoryRecord
 from dreamjax.envs.base import Task
+from dreamjax.envs.miniwob_experts import iso_date
 from dreamjax.experience.rename import names_pattern, rename_text
 from dreamjax.loop.policy_data import RowConfig, policy_texts, sft_rows
-from dreamjax.loop.value_copies import (ValuePool, iso_date, made_up, quoted_values, shape, stated_dates, value_copies,
-                                        value_copy)
+from dreamjax.loop.value_copies import ValuePool, made_up, quoted_values, shape, stated_dates, value_copies, value_copy
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
 from dreamjax.text.tokenizer import train_bpe_tokenizer

@@ -170,14 +170,19 @@ def login_user(goal, state, history):  # Enter the username "cierra" and the pas
   return _fill_then_submit(state, [(user, q[0]), (password, q[1])], "Login")
 
 
+def iso_date(date: str) -> str:
+  """An MM/DD/YYYY date as YYYY-MM-DD: <input type=date> takes ISO dates through Playwright's fill, and the AX value
+  reads back the same form."""
+  month, day, year = date.split("/")
+  return f"{year}-{month}-{day}"
+
+
 def enter_date(goal, state, history):  # Enter 02/04/2012 as the date and hit submit.
-  m = re.search(r"(\d{2})/(\d{2})/(\d{4})", goal)
+  m = re.search(r"\d{2}/\d{2}/\d{4}", goal)
   date = _find(state, ("Date",))
   if m is None or date is None:
     return None
-  month, day, year = m.groups()
-  # <input type=date> takes ISO dates through Playwright's fill; the AX value reads back the same form.
-  return _fill_then_submit(state, [(date, f"{year}-{month}-{day}")], "Submit")
+  return _fill_then_submit(state, [(date, iso_date(m.group(0)))], "Submit")
 
 
 def focus_text(goal, state, history):  # Focus into the textbox.

@@ -48,6 +48,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dreamjax.data.records import TrajectoryRecord
+from dreamjax.envs.miniwob_experts import iso_date
 from dreamjax.experience.rename import names_pattern, rename_text
 
 _QUOTED = re.compile(r'"([^"\n]+)"')
@@ -63,12 +64,6 @@ def quoted_values(instruction: str) -> list[str]:
 def stated_dates(instruction: str) -> list[str]:
   """The MM/DD/YYYY dates `instruction` states outside quotes, in order, each once."""
   return list(dict.fromkeys(_DATE.findall(_QUOTED.sub("", instruction))))
-
-
-def iso_date(date: str) -> str:
-  """An MM/DD/YYYY date as YYYY-MM-DD."""
-  month, day, year = date.split("/")
-  return f"{year}-{month}-{day}"
 
 
 def made_up_date(rng: np.random.Generator) -> str:
