@@ -38,9 +38,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Any:
     cfg = getattr(module, name)()
   except (TypeError, ValueError) as e:
     raise ValueError(_build_error(e, path, name, module)) from None
-  for item in overrides:
-    cfg = apply_override(cfg, item, source=f"{path}:{name}" if variant else str(path))
-  return cfg
+  return apply_overrides(cfg, overrides, source=f"{path}:{name}" if variant else str(path))
 
 
 _UNKNOWN = re.compile(r"^(?P<cls>[\w.]+?)(?:\.__init__)?\(\) got an unexpected keyword argument '(?P<field>\w+)'")
@@ -84,29 +82,53 @@ def _find_dataclass(module: types.ModuleType, name: str) -> type | None:
   return None
 
 
-def apply_override(cfg: Any, item: str, source: str = "config") -> Any:
-  if "=" not in item:
-    raise ValueError(f"override {item!r} is not of the form key=value")
-  key, raw = item.split("=", 1)
-  return _replace(cfg, key.strip().split("."), raw.strip(), key.strip(), source)
+def apply_overrides(cfg: Any, items: list[str], source: str = "config") -> Any:
+  """`cfg` with every `key=value` of `items` (the last wins for a key given twice). Each section is rebuilt once with
+  all of its changes, so a section's `__post_init__` checks them together: fields that must agree, such as RLConfig's
+  rollout.temperature and objective.temperature, can be changed together from the command line."""
+  tree: dict[str, Any] = {}
+  for item in items:
+    if "=" not in item:
+      raise ValueError(f"override {item!r} is not of the form key=value")
+    key, raw = (s.strip() for s in item.split("=", 1))
+    *parents, leaf = key.split(".")
+    node = tree
+    for name in parents:
+      node = node.setdefault(name, {})
+      if not isinstance(node, dict):
+        raise ValueError(f"{source}: overrides set both {key!r} and a section above it")
+    if isinstance(node.get(leaf), dict):
+      raise ValueError(f"{source}: overrides set both {key!r} and fields inside it")
+    node[leaf] = (raw, key)
+  return _apply(cfg, tree, source)
 
 
-def _replace(node: Any, path: list[str], raw: str, key: str, source: str) -> Any:
-  if not dataclasses.is_dataclass(node):
-    raise ValueError(f"{source}: cannot override {key!r}: {'.'.join(path)} is not inside a config section")
-  fields = {f.name: f for f in dataclasses.fields(node)}
-  name = path[0]
-  if name not in fields:
-    raise ValueError(f"{source}: unknown field {key!r} (known here: {', '.join(sorted(fields))})")
-  current = getattr(node, name)
-  if len(path) > 1:
-    return dataclasses.replace(node, **{name: _replace(current, path[1:], raw, key, source)})
-  hint = typing.get_type_hints(type(node))[name]
-  try:
-    value = _parse(raw, hint)
-  except (ValueError, TypeError) as e:
-    raise ValueError(f"{source}: field {key!r} expects {_name(hint)}, got {raw!r} ({e})") from None
-  return dataclasses.replace(node, **{name: value})
+def _apply(node: Any, tree: dict[str, Any], source: str) -> Any:
+  changes = {}
+  for name, change in tree.items():
+    key = _first_key(change)
+    if not dataclasses.is_dataclass(node):
+      raise ValueError(f"{source}: cannot override {key!r}: {name} is not inside a config section")
+    fields = {f.name for f in dataclasses.fields(node)}
+    if name not in fields:
+      raise ValueError(f"{source}: unknown field {key!r} (known here: {', '.join(sorted(fields))})")
+    if isinstance(change, dict):
+      changes[name] = _apply(getattr(node, name), change, source)
+      continue
+    raw = change[0]
+    hint = typing.get_type_hints(type(node))[name]
+    try:
+      changes[name] = _parse(raw, hint)
+    except (ValueError, TypeError) as e:
+      raise ValueError(f"{source}: field {key!r} expects {_name(hint)}, got {raw!r} ({e})") from None
+  return dataclasses.replace(node, **changes)
+
+
+def _first_key(change: tuple[str, str] | dict[str, Any]) -> str:
+  """The full key of an override (the first one inside a section's changes), for error messages."""
+  while isinstance(change, dict):
+    change = next(iter(change.values()))
+  return change[1]
 
 
 def _name(hint) -> str:

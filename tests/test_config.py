@@ -3,19 +3,25 @@
 import pytest
 
 from dreamjax.commands.sample import SampleConfig
-from dreamjax.config import apply_override, load_config
+from dreamjax.config import apply_overrides, load_config
 
 
 def test_overrides_are_parsed_by_field_type():
-  cfg = SampleConfig()
-  cfg = apply_override(cfg, "batch=3")
-  cfg = apply_override(cfg, "top_p=0.5")
-  cfg = apply_override(cfg, "model.tie_word_embeddings=true")
-  cfg = apply_override(cfg, "model.eos_token_id=7")
-  cfg = apply_override(cfg, "mesh.tensor=2")
+  cfg = apply_overrides(SampleConfig(), ["batch=3", "top_p=0.5", "model.tie_word_embeddings=true",
+                                         "model.eos_token_id=7", "mesh.tensor=2"])
   assert (cfg.batch, cfg.top_p, cfg.model.tie_word_embeddings, cfg.model.eos_token_id, cfg.mesh.tensor) == (
       3, 0.5, True, 7, 2)
-  assert apply_override(cfg, "model.eos_token_id=none").model.eos_token_id is None
+  assert apply_overrides(cfg, ["model.eos_token_id=none"]).model.eos_token_id is None
+  assert apply_overrides(cfg, ["batch=4", "batch=5"]).batch == 5  # the last wins
+
+
+def test_fields_that_must_agree_change_together():
+  """Each section is rebuilt once with all its changes: RLConfig refuses a rollout temperature its objective does not
+  share, and one override at a time could never change both."""
+  cfg = load_config("configs/grpo_real_twx.py:tiny", ["rollout.temperature=0.7", "objective.temperature=0.7"])
+  assert (cfg.rollout.temperature, cfg.objective.temperature) == (0.7, 0.7)
+  with pytest.raises(ValueError, match="must be > 0 and equal to objective.temperature"):
+    load_config("configs/grpo_real_twx.py:tiny", ["rollout.temperature=0.7"])
 
 
 @pytest.mark.parametrize("item, message", [
@@ -25,10 +31,13 @@ def test_overrides_are_parsed_by_field_type():
     ("batch", "not of the form key=value"),
     ("batch.x=1", "not inside a config section"),
     ("model=1", "set its fields"),
+    ("modl.eos_token_id=1", "unknown field 'modl.eos_token_id'"),
+    ("model=1,model.eos_token_id=1", "set both 'model.eos_token_id' and a section above it"),
+    ("model.eos_token_id=1,model=1", "set both 'model' and fields inside it"),
 ])
 def test_bad_overrides_name_the_field(item, message):
   with pytest.raises(ValueError, match=message):
-    apply_override(SampleConfig(), item)
+    apply_overrides(SampleConfig(), item.split(","))
 
 
 def test_load_config_file_and_errors(tmp_path):
