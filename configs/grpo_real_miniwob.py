@@ -15,7 +15,10 @@ which types passwords; twenty-eighth stop): 40 iterations in 39 minutes, +0.025 
 twenty-ninth stop): at this lr the 40-page check fell from 0.325 to 0.125 within 10 iterations, click-button-sequence
 from 5 of 5 to 0; at lr 1e-4 (`--set optim.lr=1e-4`), 40 iterations in 45 minutes held it and gained +0.019
 [-0.019, +0.062] greedy and +0.044 sampled. That policy types 9 of 20 passwords greedy but 1 sampled, so its groups
-on the typing tasks hold no success.
+on the typing tasks hold no success. From `:copying` with the dates' copies at 1,500 steps (0.469, thirtieth stop),
+sampling at T = 0.7 (`--set rollout.temperature=0.7 --set objective.temperature=0.7 --set optim.lr=2e-4`): 40
+iterations in about 39 minutes, -0.006 [-0.062, +0.056] greedy and +0.050 sampled; two thirds of the groups had
+equal returns, and only click-link moved (8 -> 11 of 20).
 
 Warm start: runs/headroom/miniwob_sft/checkpoint (`dreamjax train-policy --config configs/train_policy_miniwob.py`).
 Run:  dreamjax rl --config configs/grpo_real_miniwob.py
