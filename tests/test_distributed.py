@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from dreamjax.config import apply_override
+from dreamjax.config import apply_overrides
 from dreamjax.loop.learner import RLConfig
 from dreamjax.loop.track import read_metrics
 from dreamjax.parallel import DistributedConfig, barrier, initialize, is_primary, make_mesh, to_devices, to_host
@@ -128,11 +128,10 @@ def test_config_validation(kw, match):
 
 
 def test_rl_config_carries_the_section_and_the_cli_can_set_it():
-  cfg = apply_override(RLConfig(), "distributed.local_device_ids=0,1,2,3")
-  cfg = apply_override(cfg, "distributed.enabled=off")
+  cfg = apply_overrides(RLConfig(), ["distributed.local_device_ids=0,1,2,3", "distributed.enabled=off"])
   assert cfg.distributed == DistributedConfig(local_device_ids=(0, 1, 2, 3), enabled="off")
   with pytest.raises(ValueError, match="enabled must be one of"):
-    apply_override(cfg, "distributed.enabled=maybe")
+    apply_overrides(cfg, ["distributed.enabled=maybe"])
 
 
 def test_initialize_is_a_no_op_alone_and_too_late_is_a_clear_error(monkeypatch):
