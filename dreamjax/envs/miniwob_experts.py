@@ -170,6 +170,9 @@ def login_user(goal, state, history):  # Enter the username "cierra" and the pas
   return _fill_then_submit(state, [(user, q[0]), (password, q[1])], "Login")
 
 
+STATED_DATE = re.compile(r"(?<!\w)\d{2}/\d{2}/\d{4}(?!\w)")  # an MM/DD/YYYY date in a goal, not part of a longer run
+
+
 def iso_date(date: str) -> str:
   """An MM/DD/YYYY date as YYYY-MM-DD: <input type=date> takes ISO dates through Playwright's fill, and the AX value
   reads back the same form."""
@@ -178,7 +181,7 @@ def iso_date(date: str) -> str:
 
 
 def enter_date(goal, state, history):  # Enter 02/04/2012 as the date and hit submit.
-  m = re.search(r"\d{2}/\d{2}/\d{4}", goal)
+  m = STATED_DATE.search(goal)
   date = _find(state, ("Date",))
   if m is None or date is None:
     return None

@@ -48,11 +48,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from dreamjax.data.records import TrajectoryRecord
-from dreamjax.envs.miniwob_experts import iso_date
+from dreamjax.envs.miniwob_experts import STATED_DATE, iso_date
 from dreamjax.experience.rename import names_pattern, rename_text
 
 _QUOTED = re.compile(r'"([^"\n]+)"')
-_DATE = re.compile(r"(?<!\w)\d{2}/\d{2}/\d{4}(?!\w)")
 _TRIES = 100  # draws of a new value before giving up (only a value of one or two characters can run out)
 
 
@@ -63,7 +62,7 @@ def quoted_values(instruction: str) -> list[str]:
 
 def stated_dates(instruction: str) -> list[str]:
   """The MM/DD/YYYY dates `instruction` states outside quotes, in order, each once."""
-  return list(dict.fromkeys(_DATE.findall(_QUOTED.sub("", instruction))))
+  return list(dict.fromkeys(STATED_DATE.findall(_QUOTED.sub("", instruction))))
 
 
 def made_up_date(rng: np.random.Generator) -> str:
