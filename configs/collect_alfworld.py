@@ -29,3 +29,14 @@ def config() -> CollectConfig:
 
 def tiny() -> CollectConfig:
   return dataclasses.replace(config(), policies=("expert:6", "random:6"), out_dir="runs/collect/alfworld_tiny")
+
+
+def headroom() -> CollectConfig:
+  """The ALFWorld candidate testbed's offline data: pick_and_place_simple games of the train floor plans, a 20-step
+  limit, and ALFWorld's hand-coded expert alone (`expert=handcoded`: the planner fallback reads the game's PDDL facts,
+  which tell it where the object is, while the hand-coded expert searches the receptacles its object class can be in
+  and acts on what it sees). 600 expert, 200 eps0.3 and 100 random episodes (configs/train_policy_alfworld.py's data)."""
+  return dataclasses.replace(
+      config(), games=("pick_and_place_simple",), env_kwargs=("step_limit=20", "invalid_action=continue",
+                                                              "expert=handcoded"),
+      policies=("expert:600", "eps0.3:200", "random:100"), build_tfds=False, out_dir="runs/headroom/alfworld_pp_train20")

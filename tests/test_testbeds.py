@@ -158,3 +158,29 @@ def test_exact_match_is_split_by_what_the_prompt_determines():
   assert "reveal_fraction" not in score(truths, [right] * 3)
   with pytest.raises(ValueError, match="3 transitions but 1 reveal flags"):
     score(truths, [right] * 3, reveal=[False])
+
+
+def test_alfworld_candidate_stages_share_one_setup_and_learn_from_observable_play():
+  """configs/*_alfworld.py (the ALFWorld candidate testbed): collection, SFT, real-env GRPO and the held-out
+  evaluation on the same games, step limit, prompts and restricted answers; demonstrations from the hand-coded expert
+  alone (the planner reads where the object is from the game's PDDL facts)."""
+  collect = load_config("configs/collect_alfworld.py:headroom")
+  sft = load_config("configs/train_policy_alfworld.py")
+  grpo = load_config("configs/grpo_real_alfworld.py")
+  ev = load_config("configs/eval_alfworld.py")
+  assert "expert=handcoded" in collect.env_kwargs and collect.policies[0].startswith("expert:")
+  assert sft.rows.step_sources == sft.rows.experts == ("expert",)  # never the random fallback's steps
+  assert sft.data == (f"{collect.out_dir}/trajectories.jsonl",)
+  limit = [k for k in collect.env_kwargs if k.startswith("step_limit=")]
+  assert limit == [k for k in sft.env_kwargs if k.startswith("step_limit=")] == ["step_limit=20"]
+  assert sft.env_kwargs == grpo.env_kwargs == ev.env_kwargs
+  assert sft.agent == grpo.agent == ev.agent and sft.agent.history_fields == ("Location",)
+  assert sft.agent.history_turns >= sft.rollout.max_turns  # every place the episode has been
+  for rollout in (sft.rollout, grpo.rollout, ev.rollout):
+    assert rollout.constrain_actions and rollout.max_turns == 20
+    assert rollout.max_episode_tokens >= rollout.max_turns * rollout.max_action_tokens
+  # Train floor plans for the data and RL, ALFRED's held-out ones for every evaluation.
+  assert collect.split == grpo.train_tasks.split == "train"
+  assert sft.eval.split == grpo.eval_tasks.split == ev.tasks.split == "eval"
+  assert collect.games == sft.eval.games == grpo.train_tasks.games == ev.tasks.games == ("pick_and_place_simple",)
+  assert grpo.model.checkpoint == ev.checkpoint == f"{sft.out_dir}/checkpoint"
