@@ -106,6 +106,13 @@ def test_history_fields_keep_only_those_lines_of_history_states(tok):
       AgentFormat(history_fields=bad)
 
 
+def test_repeat_task_puts_the_task_line_just_before_the_admissible_actions():
+  lines = user_text(AgentFormat(repeat_task=True), INSTRUCTION, 0, (), STATE, ADMISSIBLE).splitlines()
+  task = "Task: Your task is to find the coin. Once you find the coin, take it."
+  assert lines[0] == lines[-2] == task and lines[-1].startswith("Admissible actions: ")
+  assert user_text(AgentFormat(), INSTRUCTION, 0, (), STATE, ADMISSIBLE).count("Task: ") == 1
+
+
 def test_admissible_actions_are_capped_deterministically():
   actions = tuple(f"take object {i:02d}" for i in range(60))
   fmt = AgentFormat(max_admissible=10)

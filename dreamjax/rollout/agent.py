@@ -17,6 +17,10 @@ Prompt rendering, in order:
   (ranked by a hash of step, state and action, shown in the env's order). A hash rather than the first k keeps the
   subset from always missing the same actions (TWX sorts its actions alphabetically) while a rerun sees the same
   prompt. `max_admissible = 0` hides the list.
+- `repeat_task` shows the task line a second time just before the admissible actions, so that matching the task's
+  object against the actions is a short-range lookup. On ALFWorld it did not help a tiny policy choose `take` where
+  the expert took the task's object (experiments/RESULTS.md, thirty-third stop on issue 18); it stays as a layout to
+  compare against.
 
 Answers are parsed by `parse_answer`, which is total: malformed output is an outcome (an error string), never an
 exception. The first complete `<action>...</action>` block is the answer, as in verl-agent's projection; text after
@@ -59,6 +63,7 @@ class AgentFormat:
   max_admissible: int = 50  # admissible actions shown at most (0: none)
   think: bool = True  # ask for a <think> block before the action
   history_fields: tuple[str, ...] = ()  # history states keep only these "Field: value" lines (empty: whole states)
+  repeat_task: bool = False  # the task line again just before the admissible actions (see the module docstring)
 
   def __post_init__(self):
     for name in ("history_turns", "history_token_budget", "max_admissible"):
@@ -133,6 +138,8 @@ def user_text(fmt: AgentFormat, instruction: str, step: int, history: Sequence[t
   else:
     lines.append("History: none")
   lines += ["Current state:", state.strip()]
+  if fmt.repeat_task:
+    lines.append(lines[0])
   shown = choose_admissible(fmt, step, state, admissible) if fmt.max_admissible else ()
   if shown:
     count = f" ({len(shown)} of {len(admissible)} shown)" if len(shown) < len(admissible) else ""
