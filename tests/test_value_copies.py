@@ -2,7 +2,8 @@
 like MiniWoB's recorded ones: new values from the records' own of the same shape (made up where there is none), one
 mapping over every text, the values' shapes kept (so a password field's bullets stay right), upper- and lower-case
 forms mapped alike, dates stated unquoted made up and typed in the date field's form, nothing copied where nothing is
-quoted or dated, and the copies' behaviour-cloning answers typing the new value."""
+quoted or dated, and the copies' behaviour-cloning answers typing the new value; and ALFWorld pick-and-place episodes
+with the goal's object class replaced by another goal's, everywhere."""
 
 import dataclasses
 import string
@@ -16,7 +17,8 @@ from dreamjax.envs.base import Task
 from dreamjax.envs.miniwob_experts import iso_date
 from dreamjax.experience.rename import names_pattern, rename_text
 from dreamjax.loop.policy_data import RowConfig, policy_texts, sft_rows
-from dreamjax.loop.value_copies import ValuePool, made_up, quoted_values, shape, stated_dates, value_copies, value_copy
+from dreamjax.loop.value_copies import (ValuePool, goal_objects, made_up, quoted_values, shape, stated_dates, value_copies,
+                                       value_copy)
 from dreamjax.rollout.agent import AgentFormat
 from dreamjax.rollout.engine import RolloutConfig
 from dreamjax.text.tokenizer import train_bpe_tokenizer
@@ -200,3 +202,43 @@ def test_behaviour_cloning_rows_of_a_copy_type_the_new_value(tmp_path):
   (name,) = quoted_values(copies[1].instruction)
   assert [user in answers[0], password in answers[1], name.upper() in answers[3]] == [True] * 3, answers
   assert dataclasses.replace(copies[0], instruction=records[0].instruction) != records[0]  # states renamed too
+
+
+def alfworld_pick(goal_object: str, seen: tuple[str, ...], receptacle: str = "drawer") -> TrajectoryRecord:
+  """An ALFWorld pick-and-place episode written like the recorded ones: the goal's object is found among others on
+  the armchair, taken and put in the drawer; admissible lists sorted, as ALFWorld's are."""
+  goal = f"put some {goal_object} on {receptacle}"
+  objects = ", ".join(f"{o} 1" for o in seen)
+  states = [f"Location: armchair 1\nYou see: {objects}\nInventory: nothing",
+            f"Location: armchair 1\nYou see: {objects}\nInventory: {goal_object} 1",
+            f"Location: {receptacle} 1\nYou see: nothing\nInventory: {goal_object} 1", "Done"]
+  actions = [f"take {goal_object} 1 from armchair 1", f"go to {receptacle} 1",
+             f"move {goal_object} 1 to {receptacle} 1"]
+  admissible = [tuple(sorted(["look", f"go to {receptacle} 1", *(f"take {o} 1 from armchair 1" for o in seen)])),
+                ("go to drawer 1", "look"), (f"move {goal_object} 1 to {receptacle} 1", "look")]
+  steps = tuple(StepRecord(states[i], a, states[i + 1], float(i == 2), i == 2, i == 2, False, admissible[i], "expert")
+                for i, a in enumerate(actions))
+  return TrajectoryRecord(f"expert:{goal_object}", "alfworld",
+                          Task.make("alfworld", f"pick_and_place_simple/train/{goal_object}"), goal, "expert", 0,
+                          steps, True, len(steps), None)
+
+
+def test_alfworld_goal_object_is_replaced_by_another_goals_class_everywhere():
+  records = [alfworld_pick("remotecontrol", ("newspaper", "remotecontrol")), alfworld_pick("pen", ("pen",)),
+             alfworld_pick("mug", ("mug",)), alfworld_pick("newspaper", ("newspaper",))]
+  pool = ValuePool.of(records)
+  assert pool.objects == ("mug", "newspaper", "pen", "remotecontrol")
+  assert goal_objects("put a  mug in microwave") == ["mug"] and goal_objects("put a hot mug in microwave") == []
+  for seed in range(5):
+    copy, mapping = value_copy(records[0], pool, np.random.default_rng(seed))
+    (new,) = mapping.values()
+    # never the goal itself, nor a class the episode shows already (newspaper)
+    assert list(mapping) == ["remotecontrol"] and new in ("mug", "pen")
+    assert copy.instruction == f"put some {new} on drawer" and copy.steps[0].action == f"take {new} 1 from armchair 1"
+    assert f"You see: newspaper 1, {new} 1" in copy.steps[0].state and f"Inventory: {new} 1" in copy.steps[1].state
+    assert copy.steps[0].admissible == tuple(sorted(copy.steps[0].admissible))  # sorted again, as ALFWorld's are
+    assert f"take {new} 1 from armchair 1" in copy.steps[0].admissible
+    assert not any("remotecontrol" in t for t in _texts(copy) + list(copy.steps[0].admissible))
+  # A goal naming the only class of the records, or made-up values (a class is never made up): no copy.
+  assert value_copy(records[1], ValuePool.of(records[1:2]), np.random.default_rng(0)) is None
+  assert value_copies(records, 2, seed=0, made_up_values=True) == []

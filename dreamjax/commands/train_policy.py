@@ -77,9 +77,9 @@ class PolicySftConfig(RunConfig):
   data: tuple[str, ...] = ("runs/collect/twx/trajectories.jsonl",)  # TrajectoryRecord JSONL files
   # Offline real transitions the run may learn from (whole episodes in file order; 0: all): the paper's SFT budget.
   data_transitions: int = 0
-  # Copies of each episode whose goal quotes values or states dates (MiniWoB's Enter "Tula"..., Enter 02/04/2012...),
-  # the values replaced by others of the same shape in each (dreamjax.loop.value_copies), meant to teach copying the
-  # goal's value; 0: none. On MiniWoB they gained nothing over as many steps without them (experiments/RESULTS.md,
+  # Copies of each episode whose goal quotes values or states dates (MiniWoB's Enter "Tula"..., Enter 02/04/2012...)
+  # or names an object (ALFWorld's put a mug in microwave), the values replaced by others in each
+  # (dreamjax.loop.value_copies), meant to teach copying or matching the goal's value; 0: none. On MiniWoB they gained nothing over as many steps without them (experiments/RESULTS.md,
   # twenty-sixth stop); made up and with the prompt in the loss (rows.prompt_loss), they taught the policy to type
   # passwords (twenty-eighth stop).
   value_copies: int = 0

@@ -1,4 +1,4 @@
-"""Copies of demonstrations with the values their goals quote replaced by others: teaching a policy to copy.
+"""Copies of demonstrations with the values their goals quote or name replaced by others: teaching a policy to copy.
 
 Why: a small policy trained from scratch on MiniWoB's typing tasks learns the values it saw, not how to copy the
 goal's value into its answer. On held-out pages it typed names from its training pages (`fill('14', 'Livia')` for
@@ -32,6 +32,15 @@ policy types passwords (enter-password 18 and login-user 20 of 20, from 0); with
 eight tasks, enter-date 20 of 20 again (twenty-ninth stop): configs/train_policy_miniwob.py:copying.
 The option stays off by default and in that config's main variant, whose numbers earlier stops measured.
 
+ALFWorld's pick-and-place goals (`put a mug in microwave`, `put some pen on drawer`) name an object class, and the
+policy must take that object where it sees it among others. A tiny policy learned the class's usual places instead
+and almost never chose `take` where the expert did (experiments/RESULTS.md, thirty-third stop). So the goal's object
+class is a value too: it is replaced, as a whole word everywhere (`mug 1` in states, actions and admissible lists
+becomes `pen 1`), by another class the records' goals name, one absent from the episode's texts. In a copy the
+object then sits where its class is not usually found, and only matching the goal's word against the objects in
+view predicts `take`. Classes are never made up (a made-up word is no object the tokenizer or the env knows), so
+with `made_up_values` ALFWorld episodes get no copy.
+
 The copy keeps its episode id and task (it stands for the same demonstration), so evaluating on the demonstrated
 tasks is unchanged. Episodes whose instruction quotes nothing and states no date (TextWorld-Express, MiniWoB's
 click tasks) get no copy. The tokenizer is trained on the real records only: the copies are a lesson in copying,
@@ -52,6 +61,8 @@ from dreamjax.envs.miniwob_experts import STATED_DATE, iso_date
 from dreamjax.experience.rename import names_pattern, rename_text
 
 _QUOTED = re.compile(r'"([^"\n]+)"')
+# An ALFWorld pick-and-place goal, the whole instruction: "put a mug in microwave", "put some pen on drawer".
+_GOAL_OBJECT = re.compile(r"put (?:a|an|some) (\w+) (?:in|on) \w+")
 _TRIES = 100  # draws of a new value before giving up (only a value of one or two characters can run out)
 
 
@@ -65,13 +76,19 @@ def stated_dates(instruction: str) -> list[str]:
   return list(dict.fromkeys(STATED_DATE.findall(_QUOTED.sub("", instruction))))
 
 
+def goal_objects(instruction: str) -> list[str]:
+  """The object class an ALFWorld pick-and-place goal names (`put a mug in microwave`: mug), or none."""
+  match = _GOAL_OBJECT.fullmatch(" ".join(instruction.split()))
+  return [match.group(1)] if match else []
+
+
 def made_up_date(rng: np.random.Generator) -> str:
   """An MM/DD/YYYY date drawn at random: any month, a day every month has, a year of 1000-2999."""
   return f"{rng.integers(1, 13):02d}/{rng.integers(1, 29):02d}/{rng.integers(1000, 3000)}"
 
 
 def _texts(record: TrajectoryRecord) -> list[str]:
-  return [record.instruction] + [t for s in record.steps for t in (s.state, s.action, s.next_state)]
+  return [record.instruction] + [t for s in record.steps for t in (s.state, s.action, s.next_state, *s.admissible)]
 
 
 _CASES = (str, str.upper, str.lower)  # the forms of a quoted value: enter-text-2 asks for "myron" typed as MYRON
@@ -93,9 +110,11 @@ def made_up(value: str, rng: np.random.Generator) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ValuePool:
-  """The values the records quote, by shape: what new values are drawn from."""
+  """The values the records quote, by shape, and the object classes their goals name: what new values are drawn
+  from."""
 
   by_shape: dict[str, tuple[str, ...]]
+  objects: tuple[str, ...] = ()
 
   @classmethod
   def of(cls, records: Sequence[TrajectoryRecord]) -> ValuePool:
@@ -103,20 +122,27 @@ class ValuePool:
     for r in records:
       for v in quoted_values(r.instruction):
         by_shape.setdefault(shape(v), set()).add(v)
-    return cls({k: tuple(sorted(v)) for k, v in sorted(by_shape.items())})
+    objects = sorted({o for r in records for o in goal_objects(r.instruction)})
+    return cls({k: tuple(sorted(v)) for k, v in sorted(by_shape.items())}, tuple(objects))
 
   def draw(self, value: str, rng: np.random.Generator) -> str:
     """Another quoted value of `value`'s shape, or one made up where the records quote none."""
     others = [v for v in self.by_shape.get(shape(value), ()) if v != value]
     return others[rng.integers(len(others))] if others else made_up(value, rng)
 
+  def draw_object(self, value: str, rng: np.random.Generator) -> str | None:
+    """Another object class of the records' goals, or None where they name no other."""
+    others = [o for o in self.objects if o != value]
+    return others[rng.integers(len(others))] if others else None
+
 
 def value_copy(record: TrajectoryRecord, pool: ValuePool, rng: np.random.Generator
                ) -> tuple[TrajectoryRecord, dict[str, str]] | None:
-  """`record` with its quoted values and stated dates replaced (module docstring) and the mapping of every form
-  replaced, or None when the instruction has neither or no new value avoids the episode's words."""
+  """`record` with its quoted values, stated dates and goal object replaced (module docstring) and the mapping of
+  every form replaced, or None when the instruction has none of them or no new value avoids the episode's words."""
   values = [(v, _CASES, pool.draw) for v in quoted_values(record.instruction)] + \
-      [(d, _DATE_FORMS, lambda _, r: made_up_date(r)) for d in stated_dates(record.instruction)]
+      [(d, _DATE_FORMS, lambda _, r: made_up_date(r)) for d in stated_dates(record.instruction)] + \
+      [(o, (str,), pool.draw_object) for o in goal_objects(record.instruction)]
   if not values:
     return None
   texts = _texts(record)
@@ -125,6 +151,8 @@ def value_copy(record: TrajectoryRecord, pool: ValuePool, rng: np.random.Generat
   for value, fs, draw in values:
     for _ in range(_TRIES):
       new = draw(value, rng)
+      if new is None:
+        return None
       forms = {f(value): f(new) for f in fs}
       # no new form may already be a word of the episode, another value's form, or another form's replacement
       if not any(re.search(rf"(?<!\w){re.escape(n)}(?!\w)", t) for n in forms.values() for t in texts) and \
@@ -139,16 +167,20 @@ def value_copy(record: TrajectoryRecord, pool: ValuePool, rng: np.random.Generat
   def text(s: str) -> str:
     return rename_text(s, mapping, pattern)
 
-  steps = tuple(dataclasses.replace(s, state=text(s.state), action=text(s.action), next_state=text(s.next_state))
-                for s in record.steps)
+  def admissible(actions: tuple[str, ...]) -> tuple[str, ...]:
+    new = tuple(text(a) for a in actions)
+    return tuple(sorted(new)) if list(actions) == sorted(actions) else new  # ALFWorld lists its commands sorted
+
+  steps = tuple(dataclasses.replace(s, state=text(s.state), action=text(s.action), next_state=text(s.next_state),
+                                    admissible=admissible(s.admissible)) for s in record.steps)
   return dataclasses.replace(record, instruction=text(record.instruction), steps=steps), mapping
 
 
 def value_copies(records: Sequence[TrajectoryRecord], copies: int, seed: int, made_up_values: bool = False
                  ) -> list[TrajectoryRecord]:
-  """`copies` copies of each record whose instruction quotes values or states dates, with values drawn anew for
-  every copy (seeded by `seed` and the copy's number): from the records' own, or all made up when `made_up_values`
-  (an empty pool); dates are always made up."""
+  """`copies` copies of each record whose instruction quotes values, states dates or names a goal object, with
+  values drawn anew for every copy (seeded by `seed` and the copy's number): from the records' own, or all made up
+  when `made_up_values` (an empty pool, so no goal object is replaced); dates are always made up."""
   pool, out = ValuePool({}) if made_up_values else ValuePool.of(records), []
   for j in range(copies):
     rng = np.random.default_rng([seed, j])
