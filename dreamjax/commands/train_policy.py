@@ -79,9 +79,10 @@ class PolicySftConfig(RunConfig):
   data_transitions: int = 0
   # Copies of each episode whose goal quotes values or states dates (MiniWoB's Enter "Tula"..., Enter 02/04/2012...)
   # or names an object (ALFWorld's put a mug in microwave), the values replaced by others in each
-  # (dreamjax.loop.value_copies), meant to teach copying or matching the goal's value; 0: none. On MiniWoB they gained nothing over as many steps without them (experiments/RESULTS.md,
-  # twenty-sixth stop); made up and with the prompt in the loss (rows.prompt_loss), they taught the policy to type
-  # passwords (twenty-eighth stop).
+  # (dreamjax.loop.value_copies), meant to teach copying or matching the goal's value; 0: none. On MiniWoB they
+  # gained nothing over as many steps without them (experiments/RESULTS.md, twenty-sixth stop); made up and with the
+  # prompt in the loss (rows.prompt_loss), they taught the policy to type passwords (twenty-eighth stop). On ALFWorld,
+  # at 300 steps, they did not teach it to take the goal's object (thirty-third stop).
   value_copies: int = 0
   # The copies' values all made up character by character (value_copies.made_up) instead of drawn from the values
   # the records quote: no value comes back, so memorising cannot predict a copy's answer.
