@@ -5,15 +5,17 @@ The two-process runs start two local processes (tests/distributed_child.py), 4 f
 the processes). They run, one after the other in the same processes: a few M_exp SFT steps (`train-exp`), three policy
 SFT steps (`train-policy`), two GRPO iterations on real TextWorld-Express from a behaviour-cloned warm start (`rl`), and
 two DreamGym GRPO iterations inside an experience model with the curriculum, M_task and replay write-back (`dreamgym`).
-Meanwhile a third child runs the same four configs alone on 8 fake devices, after training the M_exp both DreamGym
-runs use (the cluster waits for it: 120 steps, which take 2.5x as long across the processes as alone). Every child
-keeps a persistent compilation cache, which only saves compile time (the dreamgym policy's programs are the rl
-run's). Checked: both processes finish and agree
-(summaries, checkpoint metadata, checkpoint arrays); process 1 writes nothing in the run folders (the replay buffer
-included: it only reads it) but its own orbax array-metadata files; and the distributed runs equal the single-process
-ones: rollouts, rewards, M_exp's answers, the replay buffer, the task pool and evaluations exactly, update metrics and
-final parameters to float32 rounding (not bit for bit: the cross-process all-reduces sum in another order than the
-in-process ones).
+Before them a third child runs the same four configs alone on 8 fake devices, after training the M_exp both DreamGym
+runs use (120 steps, which take 2.5x as long across the processes as alone). It runs first rather than beside the
+cluster because XLA's gloo collectives give the two processes 30 s to meet when a program first runs a collective
+(jax exposes no setting for it): beside a third busy process on 2 cores, one process compiled slowly enough to miss
+that ("GetKeyValue() timed out", experiments/RESULTS.md, thirty-second stop). Every child keeps a persistent
+compilation cache, which only saves compile time (the dreamgym policy's programs are the rl run's). Checked: both
+processes finish and agree (summaries, checkpoint metadata, checkpoint arrays); process 1 writes nothing in the run
+folders (the replay buffer included: it only reads it) but its own orbax array-metadata files; and the distributed
+runs equal the single-process ones: rollouts, rewards, M_exp's answers, the replay buffer, the task pool and
+evaluations exactly, update metrics and final parameters to float32 rounding (not bit for bit: the cross-process
+all-reduces sum in another order than the in-process ones).
 
 A lighter pair of children checks the host-side helpers across processes without a model: placing and gathering
 sharded rows, `check_same` catching data that differs, and a checkpoint of a sharded array and a process-local key.
@@ -280,9 +282,13 @@ def runs(warm_start, tmp_path_factory):
   root = tmp_path_factory.mktemp("distributed")
   out, single = root / "dist", root / "single"
   data = [str(warm_start), str(_data(warm_start))]
-  exp_model = single / "exp_model" / "checkpoint"  # the reference trains it first; the cluster waits for it
-  reports = _run_children(root, [[*data, str(out), str(exp_model)]] * 2, ["reference", *data, str(single)])
-  return reports[:2], out, single
+  exp_model = single / "exp_model" / "checkpoint"  # the reference trains it first
+  # The reference runs first, alone: beside it the cluster's processes compiled slowly enough on 2 cores to miss the
+  # 30 s XLA's gloo collectives give the processes to meet at a collective's first run (module docstring).
+  (root / "alone").mkdir()
+  _run_children(root / "alone", [], ["reference", *data, str(single)])
+  reports = _run_children(root, [[*data, str(out), str(exp_model)]] * 2)
+  return reports, out, single
 
 
 def _untimed(value):
