@@ -36,24 +36,13 @@ from dreamjax.data.records import read_trajectory_files  # noqa: E402
 from dreamjax.loop.model import load_model  # noqa: E402
 from dreamjax.loop.policy_data import TurnRow, sft_rows  # noqa: E402
 from dreamjax.models.transformer import Transformer  # noqa: E402
-from dreamjax.rollout.agent import format_answer  # noqa: E402
-from dreamjax.rollout.engine import allowed_tokens  # noqa: E402
-from dreamjax.text import SegmentBuilder, Tokenizer  # noqa: E402
+from dreamjax.rollout.engine import allowed_tokens, answer_ids, pack_choices  # noqa: E402
 
 
 def verb(action: str) -> str:
   """The action's kind: its first word, or its first two where the first is a preposition-taking verb ("go to")."""
   words = action.split()
   return " ".join(words[:2]) if len(words) > 1 and words[1] in ("to", "on", "in") else (words[0] if words else "")
-
-
-def choices_for(tokenizer: Tokenizer, admissible: Sequence[str]) -> np.ndarray:
-  """[C, L] answer ids of each admissible action (as the rollout engine builds its choices), -1 padded."""
-  answers = [SegmentBuilder(tokenizer).answer_ids(format_answer(a)) for a in admissible]
-  out = np.full((len(answers), max(len(a) for a in answers)), -1, np.int32)
-  for i, ids in enumerate(answers):
-    out[i, :len(ids)] = ids
-  return out
 
 
 def chosen_as_demonstrated(logits: np.ndarray, row: TurnRow, choices: np.ndarray) -> bool:
@@ -96,7 +85,9 @@ def measure(cfg: Any, checkpoint: str, episodes: int, seed: int = 0, last_turn: 
       tokens[0, :len(row.ids)] = row.ids
       valid = np.arange(width)[None] < len(row.ids)
       logits = np.asarray(forward(params, tokens, np.arange(width, dtype=np.int32)[None], valid))
-      good = chosen_as_demonstrated(logits, row, choices_for(tokenizer, step.admissible))
+      good = chosen_as_demonstrated(
+          logits, row, pack_choices({0: [answer_ids(tokenizer, a) for a in step.admissible]}, 1,
+                                    cfg.rollout.max_action_tokens)[0])
       kind, turn = verb(step.action), min(row.turn, last_turn)
       by_verb[kind] += 1
       ok_verb[kind] += good

@@ -21,7 +21,7 @@ from dreamjax.models import Transformer, init_params, tiny
 from dreamjax.rl.batch import rl_batch
 from dreamjax.rollout.agent import INVALID_ANSWER, AgentFormat, build_turn_prompt, format_answer, parse_answer, user_text
 from dreamjax.rl.logprobs import LogpScorer
-from dreamjax.rollout.engine import RolloutConfig, RolloutEngine, allowed_tokens
+from dreamjax.rollout.engine import RolloutConfig, RolloutEngine, allowed_tokens, answer_ids, pack_choices
 from dreamjax.sampling import SpeculativeConfig, sampling_params, speculation_rates
 from dreamjax.text import Kind, SegmentBuilder, train_bpe_tokenizer
 
@@ -355,6 +355,21 @@ def test_allowed_tokens_are_the_continuations_of_the_choices_still_matched():
   assert sets(choices[:1], [5, 6, 7, 2]) == [[5], [6], [7], [2]]
   assert sets(choices[3:], [4, 4]) == [[], []]  # not limited
   assert sets(choices[2:3], [9, 2, 4]) == [[9], [2], []]  # past the end of its choice (and of L): any token
+
+
+def test_packed_choices_are_each_rows_answers_in_a_power_of_two_width(tok):
+  take, look = answer_ids(tok, "take coin"), answer_ids(tok, "look around")
+  assert take == tuple(SegmentBuilder(tok).answer_ids(format_answer("take coin")))
+  assert answer_ids(tok, "take </action> coin") == ()  # holds an answer tag: no answer parses back to it
+  width = max(len(take), len(look)) - 1  # cuts the longer answer, as the action budget does
+  out = pack_choices({1: [take] * 9, 2: [look, (), take]}, 4, width)
+  assert out.shape == (4, 16, width)  # 9 choices round up to 16; never below 8
+  assert (out[0] == -1).all() and (out[3] == -1).all()  # rows without choices are not limited
+  for r, c, ids in ((1, 0, take), (1, 8, take), (2, 0, look), (2, 2, take)):
+    n = min(len(ids), width)
+    assert out[r, c, :n].tolist() == list(ids[:n]) and (out[r, c, n:] == -1).all()
+  assert (out[1, 9:] == -1).all() and (out[2, 1] == -1).all() and (out[2, 3:] == -1).all()
+  assert pack_choices({0: [take]}, 1, width).shape == (1, 8, width)
 
 
 def _sft(cfg, tok, expert_turns, steps: int, lr: float):

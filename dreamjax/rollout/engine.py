@@ -71,7 +71,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -170,6 +170,28 @@ def allowed_tokens(choices: np.ndarray, ids: np.ndarray) -> list[np.ndarray]:
     column = choices[:, j] if j < choices.shape[1] else np.full(len(choices), -1, choices.dtype)
     out.append(np.unique(column[matching & (column >= 0)]).astype(np.int32))
     matching &= column == token
+  return out
+
+
+def answer_ids(tokenizer: Tokenizer, action: str) -> tuple[int, ...]:
+  """The answer ids a policy emits for `action` (`format_answer` and the closing); () for an action holding an answer
+  tag: no answer parses back to it, so it is no choice."""
+  try:
+    return SegmentBuilder(tokenizer).answer_ids(format_answer(action))
+  except ValueError:
+    return ()
+
+
+def pack_choices(answers: Mapping[int, Sequence[tuple[int, ...]]], rows: int, width: int) -> np.ndarray:
+  """The sampler's choices [rows, C, width]: row r's admissible actions as their `answer_ids` (`answers[r]`), -1
+  elsewhere; rows not in `answers` are not limited. C is a power of two (at least 8), so the sampler compiles for a
+  few widths only. An answer longer than `width` (the action budget) is cut, and running out of budget is then a
+  truncated, unparsed answer, as it is without choices."""
+  most = max([len(c) for c in answers.values()] + [1])
+  out = np.full((rows, max(8, 1 << (most - 1).bit_length()), width), -1, np.int32)
+  for r, row in answers.items():
+    for i, ids in enumerate(row):
+      out[r, i, :min(len(ids), width)] = ids[:width]
   return out
 
 
@@ -371,25 +393,13 @@ class RolloutEngine:
     return eps, steps_left
 
   def _choices(self, eps: list[_Episode], rows) -> np.ndarray:
-    """The sampler's choices [N, C, max_action_tokens]: each of `rows`' admissible actions as the answer ids a policy
-    emits for it (`format_answer` and the closing), -1 elsewhere. C is a power of two (at least 8), so the sampler
-    compiles for a few widths only. An answer longer than the budget is cut, and running out of budget is then a
-    truncated, unparsed answer, as it is without choices; a row with no admissible actions is not limited."""
-    width = self.cfg.max_action_tokens
-    per_row = {r: [self._answer_ids(a) for a in eps[r].admissible] for r in rows}
-    most = max([len(c) for c in per_row.values()] + [1])
-    out = np.full((len(eps), max(8, 1 << (most - 1).bit_length()), width), -1, np.int32)
-    for r, answers in per_row.items():
-      for i, ids in enumerate(answers):
-        out[r, i, :min(len(ids), width)] = ids[:width]
-    return out
+    """The sampler's choices for `rows` (`pack_choices`); the other rows are not limited."""
+    return pack_choices({r: [self._answer_ids(a) for a in eps[r].admissible] for r in rows}, len(eps),
+                        self.cfg.max_action_tokens)
 
   def _answer_ids(self, action: str) -> tuple[int, ...]:
     if action not in self._answers:
-      try:
-        self._answers[action] = SegmentBuilder(self.tokenizer).answer_ids(format_answer(action))
-      except ValueError:  # an action holding an answer tag: no answer parses back to it, so it is no choice
-        self._answers[action] = ()
+      self._answers[action] = answer_ids(self.tokenizer, action)
     return self._answers[action]
 
   def _prefill_group(self, tokens: np.ndarray, mask: np.ndarray) -> int:
