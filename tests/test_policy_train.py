@@ -104,6 +104,58 @@ def test_rows_are_the_rollout_prompt_plus_the_answer(collected, tok):
   assert lm_stats == stats and stats["answer_tokens"] == sum(int(r.loss_mask.sum()) for r in rows)
 
 
+def test_restricted_rows_score_each_answer_token_among_the_admissible_actions_tokens(collected, tok):
+  import jax
+
+  from dreamjax.models import Transformer, init_params
+  from dreamjax.rl.batch import sft_batch
+  from dreamjax.rl.objectives import make_objective
+
+  _, records = collected
+  restricted = dataclasses.replace(ROLLOUT, constrain_actions=True)
+  rows, stats = sft_rows(records, tok, FMT, RowConfig(), restricted)
+  limited, limited_stats = sft_rows(records, tok, FMT, RowConfig(restricted_loss=True), restricted)
+  assert [(r.episode_id, r.turn) for r in limited] == [(r.episode_id, r.turn) for r in rows]
+  assert limited_stats == stats and all(r.allowed is None for r in rows)
+  by_id = {r.episode_id: r for r in records}
+  end = tok.chat_format.end_of_turn
+  for row in limited:
+    step = by_id[row.episode_id].steps[row.turn]
+    answers = [tok.encode(format_answer(a)) + [end] for a in step.admissible]
+    assert row.allowed.shape[0] == len(row.answer_ids)
+    for j, token in enumerate(row.answer_ids):  # the tokens of the admissible answers that agree with it so far
+      expect = {a[j] for a in answers if len(a) > j and a[:j] == row.answer_ids[:j].tolist()}
+      assert set(row.allowed[j][row.allowed[j] >= 0].tolist()) == expect and token in expect
+  # A demonstrated action that is not admissible is left out, and the option needs restricted decoding.
+  record = next(r for r in records if r.policy == "expert" and r.success)
+  step = dataclasses.replace(record.steps[0], action="dance with the coin")
+  odd = dataclasses.replace(record, steps=(step, *record.steps[1:]))
+  kept, odd_stats = sft_rows([odd], tok, FMT, RowConfig(restricted_loss=True), restricted)
+  assert odd_stats["skipped_not_admissible"] == 1 and [r.turn for r in kept] == list(range(1, record.num_steps))
+  with pytest.raises(ValueError, match="restricted_loss .* needs RolloutConfig.constrain_actions"):
+    sft_rows(records, tok, FMT, RowConfig(restricted_loss=True), ROLLOUT)
+  # The SFT loss then is the mean over answer tokens of -log p(token | its allowed set); forced tokens cost 0.
+  cfg = tiny("qwen2", vocab_size=800, max_position_embeddings=1024)
+  params = init_params(cfg, jax.random.key(0))
+  batch_rows = limited[:4]
+  batch = sft_batch([r.ids for r in batch_rows], [r.loss_mask for r in batch_rows], pad_to=64, allowed_width=8,
+                    allowed=[(r.prompt_len, r.allowed) for r in batch_rows])
+  loss, _ = make_objective("sft").loss(cfg, params, batch, jax.random.key(1))
+  expect, count = 0.0, 0
+  for row in batch_rows:
+    n = len(row.ids)
+    logits = np.asarray(Transformer(cfg).apply({"params": params}, row.ids[None], np.arange(n)[None],
+                                               np.ones((1, n), bool)).logits[0], np.float64)
+    for j, token in enumerate(row.answer_ids):
+      keep = row.allowed[j][row.allowed[j] >= 0]
+      z = logits[row.prompt_len + j - 1, keep]
+      expect -= z[keep == token][0] - (np.log(np.exp(z - z.max()).sum()) + z.max())
+      count += 1
+  np.testing.assert_allclose(float(loss), expect / count, rtol=2e-4)
+  forced = sum(int(((r.allowed >= 0).sum(-1) == 1).sum()) for r in batch_rows)
+  assert 0 < forced < count  # both kinds of token are in the check
+
+
 def test_history_is_dropped_exactly_as_the_rollout_engine_drops_it(collected, tok):
   _, records = collected
   experts = [r for r in records if r.policy == "expert" and r.success]

@@ -165,6 +165,8 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, run: RunFolder, tracker: 
   total = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * steps_per_epoch
   length = padded_length(rows, cfg.pad_to)
   score_len = score_len_for([r.loss_mask for r in rows])  # one compilation for every batch
+  # rows.restricted_loss: one width of allowed sets for every batch, a power of two as the rollout's
+  allowed_width = 1 << (max(r.allowed.shape[1] for r in rows) - 1).bit_length() if cfg.rows.restricted_loss else 0
   demonstrated = {row.episode_id for row in rows}
   demo_tasks = training_tasks([r for r in records if r.episode_id in demonstrated], cfg.eval.train_tasks)
   evaluator = Evaluator(model_cfg, tokenizer, cfg.agent, cfg.rollout, cfg.env, cfg.env_kwargs, cfg.eval, demo_tasks,
@@ -190,7 +192,8 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, run: RunFolder, tracker: 
           if step >= total:
             break
           batch = sft_batch([r.ids for r in batch_rows], [r.loss_mask for r in batch_rows], pad_to=length,
-                            row_multiple=cfg.batch_size)
+                            row_multiple=cfg.batch_size, allowed_width=allowed_width,
+                            allowed=[(r.prompt_len, r.allowed) for r in batch_rows] if allowed_width else None)
           state, metrics = step_fn(state, batch, jax.random.fold_in(key, step), score_len)
           step += 1
           skips.add(metrics, f"step {step}")

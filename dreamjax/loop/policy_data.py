@@ -43,7 +43,7 @@ from jaxtyping import Int
 
 from dreamjax.data.records import StepRecord, TrajectoryRecord
 from dreamjax.rollout.agent import INVALID_ANSWER, AgentFormat, fit_turn_prompt, format_answer, user_text
-from dreamjax.rollout.engine import RolloutConfig
+from dreamjax.rollout.engine import RolloutConfig, allowed_tokens, answer_ids, pack_choices
 from dreamjax.text import Kind, SegmentBuilder, Tokenizer
 
 THINK_MODES = ("auto", "none", "template")
@@ -62,6 +62,10 @@ class RowConfig:
   # Also train on the prompt's tokens (every one after the first), as a language model: a prompt repeats the goal in
   # each state and the history's actions type its values, so predicting them is practice in copying from the context.
   prompt_loss: bool = False
+  # Score each answer token among the tokens restricted decoding allows there (RolloutConfig.constrain_actions), as
+  # the RL update does, not over the whole vocabulary: a token the admissible actions force costs nothing, and the
+  # loss is the demonstration's choices alone. A turn whose action is not among its admissible ones is left out.
+  restricted_loss: bool = False
 
   def __post_init__(self):
     if self.think not in THINK_MODES:
@@ -97,6 +101,9 @@ class TurnRow:
   prompt_len: int  # ids[:prompt_len] is what the sampler is given
   episode_id: str
   turn: int
+  # RowConfig.restricted_loss: per answer token, the tokens restricted decoding allows there (-1 padded); None: the
+  # whole vocabulary
+  allowed: Int[np.ndarray, "N A"] | None = None
 
   @property
   def answer_ids(self) -> Int[np.ndarray, " N"]:
@@ -184,14 +191,34 @@ def _with_prompt_loss(row: TurnRow) -> TurnRow:
   return dataclasses.replace(row, loss_mask=mask)
 
 
+def _with_allowed(row: TurnRow, admissible: Sequence[str], answers: dict[str, tuple[int, ...]], tokenizer: Tokenizer,
+                  width: int) -> TurnRow | None:
+  """`row` with the allowed sets of its answer tokens (`TurnRow.allowed`); None when its answer is not one of the
+  admissible actions (restricted decoding could never write it)."""
+  for a in admissible:
+    if a not in answers:
+      answers[a] = answer_ids(tokenizer, a)
+  sets = allowed_tokens(pack_choices({0: [answers[a] for a in admissible]}, 1, width)[0], row.answer_ids)
+  if not all(token in s for token, s in zip(row.answer_ids, sets)):
+    return None
+  out = np.full((len(sets), max(len(s) for s in sets)), -1, np.int32)
+  for j, s in enumerate(sets):
+    out[j, :len(s)] = s
+  return dataclasses.replace(row, allowed=out)
+
+
 def sft_rows(records: Iterable[TrajectoryRecord], tokenizer: Tokenizer, fmt: AgentFormat, cfg: RowConfig,
              rollout: RolloutConfig) -> tuple[list[TurnRow], dict[str, int]]:
   """Behaviour-cloning rows of the demonstration turns in `records` (see `RowConfig`), and counts of what was kept
   and why the rest was not."""
   if tokenizer.chat_format is None:
     raise ValueError("sft_rows: the tokenizer has no chat template, so turns cannot be built")
+  if cfg.restricted_loss and not rollout.constrain_actions:
+    raise ValueError("RowConfig.restricted_loss scores answers among the admissible actions' tokens, so it needs "
+                     "RolloutConfig.constrain_actions")
   stats: collections.Counter = collections.Counter()
   rows: list[TurnRow] = []
+  answers: dict[str, tuple[int, ...]] = {}  # admissible action -> its answer ids (restricted_loss)
   for record in records:
     stats["episodes"] += 1
     if not _matches(record.policy, cfg.experts):
@@ -209,8 +236,13 @@ def sft_rows(records: Iterable[TrajectoryRecord], tokenizer: Tokenizer, fmt: Age
         stats["skipped_invalid"] += 1
       else:
         turns.append(t)
-    rows += [_with_prompt_loss(r) if cfg.prompt_loss else r
-             for r in episode_rows(record, tokenizer, fmt, rollout, cfg.think, turns, stats)]
+    for row in episode_rows(record, tokenizer, fmt, rollout, cfg.think, turns, stats):
+      if cfg.restricted_loss:
+        row = _with_allowed(row, record.steps[row.turn].admissible, answers, tokenizer, rollout.max_action_tokens)
+        if row is None:
+          stats["skipped_not_admissible"] += 1
+          continue
+      rows.append(_with_prompt_loss(row) if cfg.prompt_loss else row)
   stats["rows"] = len(rows)
   stats["answer_tokens"] = sum(len(r.ids) - r.prompt_len for r in rows)
   return rows, dict(sorted(stats.items()))

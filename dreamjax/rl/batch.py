@@ -285,8 +285,12 @@ def _as_row(ids, mask, where: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def sft_batch(ids_list: Sequence[Sequence[int]], loss_mask_list: Sequence[Sequence[int]], *, pad_to: int = 64,
-              row_multiple: int = 1) -> TokenBatch:
-  """Rows of token ids with a 0/1 target mask (behaviour cloning; the experience model's Eq. 5 targets)."""
+              row_multiple: int = 1, allowed: Sequence[tuple[int, np.ndarray]] | None = None,
+              allowed_width: int = 0) -> TokenBatch:
+  """Rows of token ids with a 0/1 target mask (behaviour cloning; the experience model's Eq. 5 targets). `allowed`:
+  per row, (position of its first token with an allowed set, [N, A] sets of the next N tokens, -1 padded), stored in
+  a batch-wide width `allowed_width` (at least every row's A; fixed per run, so batches compile once), where the loss
+  scores a token among its set alone (`TokenBatch.allowed`)."""
   if len(ids_list) != len(loss_mask_list):
     raise ValueError(f"sft_batch: {len(ids_list)} rows of ids but {len(loss_mask_list)} loss masks")
   rows = [_as_row(i, k, f"sft_batch row {r}") for r, (i, k) in enumerate(zip(ids_list, loss_mask_list))]
@@ -296,6 +300,15 @@ def sft_batch(ids_list: Sequence[Sequence[int]], loss_mask_list: Sequence[Sequen
     d["tokens"][r, :len(ids)] = ids
     d["valid"][r, :len(ids)] = True
     d["loss_mask"][r, :len(ids)] = mask
+  if allowed is not None:
+    if len(allowed) != len(rows):
+      raise ValueError(f"sft_batch: {len(rows)} rows but {len(allowed)} allowed sets")
+    d["allowed"] = np.full((*d["tokens"].shape, allowed_width), -1, np.int32)
+    for r, (start, sets) in enumerate(allowed):
+      if sets.shape[1] > allowed_width or start + len(sets) > len(rows[r][0]):
+        raise ValueError(f"sft_batch row {r}: allowed sets {sets.shape} from position {start} do not fit a row of "
+                         f"{len(rows[r][0])} tokens and allowed_width {allowed_width}")
+      d["allowed"][r, start:start + len(sets), :sets.shape[1]] = sets
   return _finish(d)
 
 
