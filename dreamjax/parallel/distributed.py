@@ -31,6 +31,12 @@ Arrays sharded over it are not fully addressable from any one process: `to_host`
 every process must call, in the same order; `leaf_to_host` one leaf at a time, as a model export must), `to_devices` places host arrays that every process holds alike,
 `check_same` verifies cheaply that they do, `is_primary` picks the one writer of files, `barrier` orders a write
 before other processes read it.
+
+Known limit of CPU clusters (jaxlib 0.10.2): their collectives run over Gloo, which sets up a device group's
+communicator the first time a program runs a collective over it, and each process then waits at most 30 s (fixed
+in jaxlib, not configurable) for the others to arrive. A process that compiles that program much more slowly, e.g. on
+a host loaded by other jobs, fails the run with "Gloo context initialization failed: DEADLINE_EXCEEDED". Run CPU
+clusters on hosts with a core to spare per process (the limit is Gloo's, so CPU-only).
 """
 
 from __future__ import annotations
