@@ -7,9 +7,8 @@ SFT steps (`train-policy`), two GRPO iterations on real TextWorld-Express from a
 two DreamGym GRPO iterations inside an experience model with the curriculum, M_task and replay write-back (`dreamgym`).
 Before them a third child runs the same four configs alone on 8 fake devices, after training the M_exp both DreamGym
 runs use (120 steps, which take 2.5x as long across the processes as alone). It runs first rather than beside the
-cluster because XLA's gloo collectives give the two processes 30 s to meet when a program first runs a collective
-(jax exposes no setting for it): beside a third busy process on 2 cores, one process compiled slowly enough to miss
-that ("GetKeyValue() timed out", experiments/RESULTS.md, thirty-second stop). Every child keeps a persistent
+cluster: beside a third busy process on 2 cores, one process compiled slowly enough to miss Gloo's 30 s meeting (the
+known limit in dreamjax/parallel/distributed.py's docstring; experiments/RESULTS.md, thirty-second stop). Every child keeps a persistent
 compilation cache, which only saves compile time (the dreamgym policy's programs are the rl run's). Checked: both
 processes finish and agree (summaries, checkpoint metadata, checkpoint arrays); process 1 writes nothing in the run
 folders (the replay buffer included: it only reads it) but its own orbax array-metadata files; and the distributed
@@ -283,8 +282,7 @@ def runs(warm_start, tmp_path_factory):
   out, single = root / "dist", root / "single"
   data = [str(warm_start), str(_data(warm_start))]
   exp_model = single / "exp_model" / "checkpoint"  # the reference trains it first
-  # The reference runs first, alone: beside it the cluster's processes compiled slowly enough on 2 cores to miss the
-  # 30 s XLA's gloo collectives give the processes to meet at a collective's first run (module docstring).
+  # The reference runs first, alone, so the cluster's processes meet within Gloo's 30 s (module docstring).
   (root / "alone").mkdir()
   _run_children(root / "alone", [], ["reference", *data, str(single)])
   reports = _run_children(root, [[*data, str(out), str(exp_model)]] * 2)
