@@ -207,6 +207,27 @@ def test_the_critic_is_laid_out_like_the_policy_on_the_mesh(model):
   assert jax.tree.map(lambda x: x.sharding, sharded.critic.state) == layout  # donated and updated in place
 
 
+def test_critic_steps_take_the_policys_length_buckets(model):
+  """With `length_buckets` the critic's step is bucketed as the policy's (micro-batches of similar row length, each
+  cut to its own longest row): on rows of varied length its update and metrics are the unbucketed critic's, to
+  float32 rounding, with one compilation per micro-batch length."""
+  settings = dict(PPO, micro_batches=4, pad_to=4)
+  plain, bucketed = make_learner(model, **settings), make_learner(model, **settings, length_buckets=True)
+  b = batch(5, plain.model_cfg.vocab_size)
+  lengths = np.array([3, 16, 5, 14, 4, 16, 6, 12])  # in pairs by length: 3 4 | 5 6 | 12 14 | 16 16
+  valid = np.arange(T)[None] < lengths[:, None]
+  mask = b.loss_mask * valid
+  b = scored(plain, b.replace(valid=valid, positions=row_positions(valid), loss_mask=mask,
+                              advantages=b.advantages * mask, returns=b.returns * mask))
+  before = host(plain.critic.state.params)
+  m_plain, m_bucketed = plain.update_critic(b, np.arange(B), 0), bucketed.update_critic(b, np.arange(B), 0)
+  for key in ("vf_loss", "critic_grad_norm", "vf_clip_frac"):
+    assert m_bucketed[key] == pytest.approx(m_plain[key], rel=1e-5, abs=1e-7), key
+  assert max_rel_diff(bucketed.critic.state.params, plain.critic.state.params) < 1e-5
+  assert max_rel_diff(plain.critic.state.params, before) > 1e-4  # the step moved the critic
+  assert bucketed.critic.step.compilations() == 3  # micro-batch lengths 4, 8, 16 and 16 (pad_to 4)
+
+
 def test_checkpoint_holds_the_critic_and_a_resume_continues_equal(model, tmp_path):
   """A PPO learner's checkpoint arrays hold the critic's train state; restored into a fresh learner they are equal,
   and the next iteration's policy and critic updates give the same states, bit for bit."""

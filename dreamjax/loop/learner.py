@@ -12,10 +12,10 @@ One iteration (`PolicyLearner.iteration`):
    last padded with empty rows) and a length rounded up to `pad_to`, so the jitted step compiles once per length
    bucket; `micro_batches` splits a step for memory on long contexts (with `length_buckets`, into micro-batches of
    similar row length, each cut to its own length). PPO's separate critic then takes its own
-   passes (its `epochs`, `rows_per_step`, or the policy's) with its own step and optimizer. With `shared_prefix` the
-   policy's step computes a prefix its rows share once per cluster of rows (`dreamjax.rl.update`, "Shared
-   prefixes"): the same steps on the same rows, to float32 rounding; so does reference scoring (`LogpScorer`), while
-   value scoring and the critic stay per row.
+   passes (its `epochs`, `rows_per_step`, or the policy's) with its own step and optimizer, its steps cut into
+   micro-batches the same way. With `shared_prefix` the policy's step computes a prefix its rows share once per
+   cluster of rows (`dreamjax.rl.update`, "Shared prefixes"): the same steps on the same rows, to float32 rounding;
+   so does reference scoring (`LogpScorer`), while value scoring and the critic stay per row.
 Its metrics include `env_steps`: answers that parsed and were sent to the env (`evaluate.unparsed_rows`; an
 unparseable answer costs no env step). The loop counts them as real or synthetic transitions by the env's kind.
 
@@ -332,7 +332,8 @@ class PolicyLearner:
     self.critic = Critic(cfg.critic, model_cfg, params, agg=cfg.objective.agg, epochs=cfg.critic.epochs or cfg.epochs,
                          rows_per_step=cfg.critic.rows_per_step or cfg.rows_per_step,
                          micro_batches=cfg.critic.micro_batches or cfg.micro_batches, score_batch=cfg.score_batch,
-                         pad_to=cfg.pad_to, max_nonfinite_updates=cfg.max_nonfinite_updates, mesh=mesh) \
+                         pad_to=cfg.pad_to, length_buckets=cfg.length_buckets,
+                         max_nonfinite_updates=cfg.max_nonfinite_updates, mesh=mesh) \
         if cfg.separate_critic else None
     self.state = create_train_state(model_cfg, params, optimizer, mesh)
     self.engine = RolloutEngine(model_cfg, tokenizer, cfg.agent, cfg.rollout, mesh=mesh)

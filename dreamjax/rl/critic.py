@@ -122,7 +122,8 @@ class Critic:
 
   def __init__(self, cfg: CriticConfig, policy_cfg: ModelConfig, policy_params: dict[str, Any], *, agg: str,
                epochs: int, rows_per_step: int, micro_batches: int, score_batch: int, pad_to: int,
-               max_nonfinite_updates: int, mesh: jax.sharding.Mesh | None = None, rules: Rules = TRAIN_RULES):
+               length_buckets: bool, max_nonfinite_updates: int, mesh: jax.sharding.Mesh | None = None,
+               rules: Rules = TRAIN_RULES):
     if cfg.mode != "separate":
       raise ValueError(f"Critic: a {cfg.mode!r} critic lives on the policy; only 'separate' builds one")
     self.cfg, self.epochs, self.rows_per_step = cfg, epochs, rows_per_step
@@ -130,8 +131,10 @@ class Critic:
     abstract = critic_abstract_params(self.model_cfg)
     optimizer = make_optimizer(cfg.optim)
     objective = Objective("critic", ValueLossConfig(clip=cfg.value_clip, agg=agg))
+    # `length_buckets` as the policy's step (`TrainStep._bucketed`): PPO's multi-turn rows vary in length, and
+    # without it every micro-batch of a critic step was padded to the step's longest row.
     self.step = make_train_step(self.model_cfg, objective, optimizer, micro_batches=micro_batches, mesh=mesh,
-                                rules=rules, abstract=abstract)
+                                rules=rules, abstract=abstract, pad_to=pad_to, length_buckets=length_buckets)
     if rows_per_step % self.step.row_multiple:
       raise ValueError(f"critic rows_per_step ({rows_per_step}) must be a multiple of micro_batches x data-parallel "
                        f"size ({self.step.row_multiple})")
