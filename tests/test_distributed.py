@@ -8,11 +8,11 @@ two DreamGym GRPO iterations inside an experience model with the curriculum, M_t
 Before them a third child runs the same four configs alone on 8 fake devices, after training the M_exp both DreamGym
 runs use (120 steps, which take 2.5x as long across the processes as alone). It runs first rather than beside the
 cluster: beside a third busy process on 2 cores, one process compiled slowly enough to miss Gloo's 30 s meeting (the
-known limit in dreamjax/parallel/distributed.py's docstring; experiments/RESULTS.md, thirty-second stop). Every
-child keeps a persistent compilation cache, which only saves compile time (the dreamgym policy's programs are the rl
-run's). Checked: both processes finish and agree (summaries, checkpoint metadata, checkpoint arrays); process 1
-writes nothing in the run folders (the replay buffer included: it only reads it) but its own orbax array-metadata files; and the distributed
-runs equal the single-process ones: rollouts, rewards, M_exp's answers, the replay buffer, the task pool and
+known limit in dreamjax/parallel/distributed.py's docstring; experiments/RESULTS.md, thirty-second stop). Every child
+keeps a persistent compilation cache, which only saves compile time (the dreamgym policy's programs are the rl run's).
+Checked: both processes finish and agree (summaries, checkpoint metadata, checkpoint arrays); process 1 writes nothing
+in the run folders (the replay buffer included: it only reads it) but its own orbax array-metadata files; and the
+distributed runs equal the single-process ones: rollouts, rewards, M_exp's answers, the replay buffer, the task pool and
 evaluations exactly, update metrics and final parameters to float32 rounding (not bit for bit: the cross-process
 all-reduces sum in another order than the in-process ones).
 
