@@ -281,12 +281,17 @@ def test_dropping_zero_variance_groups_updates_only_the_others(warm_start, learn
   assert metrics["zero_variance_group_frac"] == flat.mean()
 
 
-def test_evaluate_counts_intervals_and_outcomes(learner, twx):
+def test_evaluate_counts_intervals_and_outcomes(learner, twx, capsys):
   eval_tasks = tasks("coin", "dev", ROWS + 3, params=TWO_ROOMS)  # two batches, the second filled up
-  result = evaluate(learner.eval_engine, learner.params, twx, eval_tasks, jax.random.key(0), batch_size=ROWS)
+  result = evaluate(learner.eval_engine, learner.params, twx, eval_tasks, jax.random.key(0), batch_size=ROWS,
+                    progress=True)
   n, outcomes = len(eval_tasks), result["outcomes"]
   assert result["episodes"] == n and [o[0] for o in outcomes] == [t.task_id for t in eval_tasks]
   k = sum(o[1] for o in outcomes)
+  lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("evaluation: ")]
+  assert [line.split(" won")[0] for line in lines] == [
+      f"evaluation: {ROWS}/{n} episodes, {sum(o[1] for o in outcomes[:ROWS])}",
+      f"evaluation: {n}/{n} episodes, {k}"]
   assert result["successes"] == k and result["success_rate"] == k / n
   assert (result["ci_low"], result["ci_high"]) == wilson_interval(k, n)
   assert result["ci_low"] <= k / n <= result["ci_high"]

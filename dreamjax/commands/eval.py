@@ -70,12 +70,12 @@ def _evaluate(cfg: EvalRunConfig) -> dict[str, Any]:
   env = make_batch_env(cfg.env, cfg.env_kwargs, cfg.batch, cfg.num_workers)
   key = jax.random.key(cfg.seed)
   try:
-    result = evaluate(greedy, params, env, tasks, key, batch_size=cfg.batch, keep_records=True)
+    result = evaluate(greedy, params, env, tasks, key, batch_size=cfg.batch, keep_records=True, progress=True)
     episodes = {"episodes.jsonl": result.pop("records")}
     if cfg.sampled:
       sampled = RolloutEngine(model_cfg, tok, cfg.agent, dataclasses.replace(cfg.rollout, group_size=1), mesh=mesh)
       result["sampled"] = evaluate(sampled, params, env, tasks, jax.random.fold_in(key, 1), batch_size=cfg.batch,
-                                   keep_records=True)
+                                   keep_records=True, progress=True)
       episodes["sampled_episodes.jsonl"] = result["sampled"].pop("records")
   finally:
     env.close()

@@ -109,9 +109,10 @@ _RERUN = 2**31 - 1  # folded into the key of the rerun of episodes the env faile
 
 
 def _episodes(engine: RolloutEngine, params, env: BatchEnv, tasks: Sequence[Task], key: jax.Array,
-              batch_size: int) -> list[dict[str, Any]]:
-  """One episode per task, in batches of exactly `batch_size` rows; each task's outcome and its turn counts."""
-  out = []
+              batch_size: int, progress: bool = False) -> list[dict[str, Any]]:
+  """One episode per task, in batches of exactly `batch_size` rows; each task's outcome and its turn counts. With
+  `progress`, a line per batch (a 200-game evaluation runs for many minutes)."""
+  out, start = [], time.perf_counter()
   for b, first in enumerate(range(0, len(tasks), batch_size)):
     chunk = list(tasks[first:first + batch_size])
     n = len(chunk)
@@ -123,15 +124,18 @@ def _episodes(engine: RolloutEngine, params, env: BatchEnv, tasks: Sequence[Task
                   "turns": int(traj.num_turns[e]), "ended": bool(traj.ended[e]), "env_error": bool(traj.env_error[e]),
                   "unparsed": int((bad_parse & rows).sum()), "invalid": int((traj.invalid & ~bad_parse & rows).sum()),
                   "record": traj.records[e]})
+    if progress:
+      echo(f"evaluation: {len(out)}/{len(tasks)} episodes, {sum(r['success'] for r in out)} won, "
+           f"{time.perf_counter() - start:.0f} s")
   return out
 
 
 def evaluate(engine: RolloutEngine, params, env: BatchEnv, tasks: Sequence[Task], key: jax.Array, *,
-             batch_size: int | None = None, keep_records: bool = False) -> dict[str, Any]:
+             batch_size: int | None = None, keep_records: bool = False, progress: bool = False) -> dict[str, Any]:
   """One episode per task; returns success (with interval), turn and failure statistics, per-game results and the
   per-task outcomes (task id, success, turns) in task order. `batch_size` defaults to the number of tasks. With
   `keep_records`, also `records`: the episodes themselves (TrajectoryRecords, in the same order; not JSON), so a
-  caller can show what the policy did.
+  caller can show what the policy did. With `progress`, a line per batch of episodes.
 
   An episode the env failed on (dreamjax.envs.base.ENV_ERROR: its process died, it raised) measures nothing: its task
   is run once more (the batch env rebuilds a failed env), and a task whose rerun fails too is left out of every
@@ -145,7 +149,7 @@ def evaluate(engine: RolloutEngine, params, env: BatchEnv, tasks: Sequence[Task]
   if batch_size < 1:
     raise ValueError(f"evaluate: batch_size must be >= 1, got {batch_size}")
   start = time.perf_counter()
-  results = _episodes(engine, params, env, tasks, key, batch_size)
+  results = _episodes(engine, params, env, tasks, key, batch_size, progress)
   failed = [i for i, r in enumerate(results) if r["env_error"]]
   if failed:
     echo(f"evaluation: the env failed on {len(failed)} of {len(tasks)} episodes; running those tasks once more")
