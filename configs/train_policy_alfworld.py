@@ -43,9 +43,10 @@ def config() -> PolicySftConfig:
                         max_admissible=50),
       # The hand-coded expert's own steps only: where it gives up, random play stands in ("fallback").
       rows=RowConfig(experts=EXPERTS, step_sources=EXPERTS, successful_only=True),
-      # 480 answer tokens an episode: 20 turns of up to 24 (at 192 the last turns' answers were cut off).
-      rollout=RolloutConfig(max_turns=20, max_action_tokens=24, max_episode_tokens=480, prompt_buckets=(768, 1024),
-                            constrain_actions=True),
+      # 480 answer tokens an episode: 20 turns of up to 24 (at 192 the last turns' answers were cut off). The 1152
+      # bucket: training game 312's first prompt is 1051 tokens (50 admissible commands), which stopped a GRPO run.
+      rollout=RolloutConfig(max_turns=20, max_action_tokens=24, max_episode_tokens=480,
+                            prompt_buckets=(768, 1024, 1152), constrain_actions=True),
       model=ModelSource(tiny=tiny_model("qwen2", vocab_size=768, hidden_size=128, intermediate_size=384, num_layers=2,
                                         num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=1280)),
       optim=OptimConfig(lr=3e-3, warmup_steps=20, schedule="cosine", total_steps=steps, end_lr_factor=0.05),

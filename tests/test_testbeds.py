@@ -179,6 +179,9 @@ def test_alfworld_candidate_stages_share_one_setup_and_learn_from_observable_pla
   for rollout in (sft.rollout, grpo.rollout, ev.rollout):
     assert rollout.constrain_actions and rollout.max_turns == 20
     assert rollout.max_episode_tokens >= rollout.max_turns * rollout.max_action_tokens
+    # Training game 312's first prompt is 1051 tokens (it stopped a GRPO run at the 1024 bucket); every bucket and its
+    # answer fits the policy's positions.
+    assert 1051 <= rollout.prompt_buckets[-1] <= sft.model.tiny.max_position_embeddings - rollout.max_action_tokens
   # Train floor plans for the data and RL, ALFRED's held-out ones for every evaluation.
   assert collect.split == grpo.train_tasks.split == "train"
   assert sft.eval.split == grpo.eval_tasks.split == ev.tasks.split == "eval"
