@@ -289,6 +289,59 @@ def test_dpo_from_the_sft_checkpoint_raises_the_margin(sft_run, collected, twx, 
   assert (tmp_path / "checkpoint" / "config.json").is_file()
 
 
+def test_grouped_epoch_holds_every_row_once_in_length_sorted_batches_of_a_seeded_order():
+  from types import SimpleNamespace
+
+  from dreamjax.commands.train_policy import _batches
+
+  lengths = np.random.default_rng(1).integers(200, 1200, 100)
+  rows = [SimpleNamespace(ids=np.zeros(n, np.int32), i=i) for i, n in enumerate(lengths)]
+  plain = _batches(rows, 8, np.random.default_rng([0, 2]))
+  grouped = _batches(rows, 8, np.random.default_rng([0, 2]), group_rows=32)  # windows of 32, 32, 32 and 4 rows
+  assert [len(b) for b in plain] == [8] * 12 + [4] and sorted(map(len, grouped)) == [4] + [8] * 12
+  assert sorted(r.i for b in grouped for r in b) == list(range(100))  # every row once an epoch
+  order = [r.i for b in plain for r in b]  # the ungrouped epoch's order: its windows are the grouped epoch's
+  for w in range(4):
+    window = sorted(order[32 * w:32 * w + 32])
+    batches = [b for b in grouped if b[0].i in window]
+    assert sorted(r.i for b in batches for r in b) == window
+    spans = sorted((min(len(r.ids) for r in b), max(len(r.ids) for r in b)) for b in batches)
+    assert all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:]))  # batches cut a length-sorted window
+  maxima = [max(len(r.ids) for r in b) for b in grouped[:4]]
+  assert maxima != sorted(maxima)  # a window's batches come in a seeded order, not shortest first
+  again = _batches(rows, 8, np.random.default_rng([0, 2]), group_rows=32)
+  assert [[r.i for r in b] for b in again] == [[r.i for r in b] for b in grouped]
+
+
+def test_grouped_batches_pad_to_their_own_rows_and_train_as_the_plain_ones(collected, twx, tmp_path, monkeypatch):
+  """group_rows = batch_size keeps each batch's rows (sorted inside it), so the only change is each batch's width:
+  its own longest row rounded up to GROUPED_WIDTH instead of the data's longest. The token-mean loss must not see it.
+  The coin rows are 257-320 tokens, all in one width of 128, so the test rounds to 16 to see several widths."""
+  from dreamjax.commands import train_policy
+  from dreamjax.commands.train_policy import PolicySftConfig, _batches, run
+  from dreamjax.loop.evaluate import EvalConfig
+  from dreamjax.text.tokenizer import load_tokenizer
+
+  monkeypatch.setattr(train_policy, "GROUPED_WIDTH", 16)
+
+  path, records = collected
+  base = PolicySftConfig(
+      data=(str(path),), env_kwargs=("step_limit=4",), agent=FMT, rollout=ROLLOUT,
+      model=ModelSource(tiny=tiny("qwen2", vocab_size=800, max_position_embeddings=1024)),
+      optim=OptimConfig(lr=5e-3, warmup_steps=1), batch_size=8, max_steps=4, eval=EvalConfig(num_tasks=0),
+      devices=1, log_every=1, seed=0)
+  plain = run(dataclasses.replace(base, out_dir=str(tmp_path / "plain")), env=twx)
+  grouped = run(dataclasses.replace(base, group_rows=8, out_dir=str(tmp_path / "grouped")), env=twx)
+  losses = [[m["loss"] for m in read_metrics(tmp_path / name / "metrics.jsonl") if "loss" in m]
+            for name in ("plain", "grouped")]
+  assert len(losses[0]) == 4 and np.allclose(losses[0], losses[1], rtol=1e-5, atol=1e-6), losses
+  rows, _ = sft_rows(records, load_tokenizer(tmp_path / "grouped" / "init_model"), FMT, RowConfig(), ROLLOUT)
+  widths = {-(-max(len(r.ids) for r in b) // 16) * 16
+            for b in _batches(rows, 8, np.random.default_rng([0, 0]), group_rows=8)[:4]}
+  assert plain["compilations"] == 1 and grouped["compilations"] == len(widths) > 1, widths
+  assert min(widths) < plain["row_length"], (widths, plain["row_length"])
+
+
 def test_configs_load_and_bad_settings_are_clear_errors(tmp_path):
   from dreamjax.commands import dpo
   from dreamjax.commands import train_policy as policy_sft
@@ -303,6 +356,10 @@ def test_configs_load_and_bad_settings_are_clear_errors(tmp_path):
     load_config("configs/train_policy_twx.py:small")
   with pytest.raises(ValueError, match="PolicySftConfig.batch_size must be >= 1"):
     dataclasses.replace(cfg, batch_size=0)
+  with pytest.raises(ValueError, match=r"group_rows must be a multiple of batch_size \(\d+\) .* got group_rows=5"):
+    dataclasses.replace(cfg, group_rows=5)
+  with pytest.raises(ValueError, match="not used with pad_to"):
+    dataclasses.replace(cfg, group_rows=cfg.batch_size, pad_to=256)
   with pytest.raises(ValueError, match="RowConfig.think must be one of"):
     RowConfig(think="long")
   with pytest.raises(ValueError, match="data: .*missing.jsonl does not exist"):

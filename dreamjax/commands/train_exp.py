@@ -82,7 +82,7 @@ from dreamjax.loop.config import RunConfig, checkpoint_folder, export_dtype, exp
 from dreamjax.loop.model import ModelSource, prepare_model, save_model
 from dreamjax.loop.run import RunFolder, resuming
 from dreamjax.loop.track import Tracker, echo, json_dumps, progress, to_json
-from dreamjax.rl.batch import sft_batch
+from dreamjax.rl.batch import GROUPED_WIDTH, length_grouped, sft_batch
 from dreamjax.rl.logprobs import LogpScorer, score_len_for
 from dreamjax.rl.objectives import make_objective
 from dreamjax.rl.optim import OptimConfig, make_optimizer
@@ -143,9 +143,6 @@ class ExpSftConfig(RunConfig):
     if self.group_rows < 0 or self.group_rows % self.batch_size:
       raise ValueError(f"ExpSftConfig.group_rows must be 0 or a multiple of batch_size ({self.batch_size}), "
                        f"got {self.group_rows}")
-
-
-GROUPED_WIDTH = 128  # width granularity of grouped batches: few compilations, little padding
 
 
 def length_buckets(max_len: int, grouped: bool = False) -> tuple[int, ...]:
@@ -228,11 +225,8 @@ def _batches(n: int, batch_size: int, total_steps: int, seed: int, lengths: np.n
       while len(order) < take:
         order = np.concatenate([order, rng.permutation(n)])
       window, order = order[:take], order[take:]
-      if group_rows:
-        window = window[np.argsort(lengths[window], kind="stable")]
-      ready = [window[i:i + batch_size] for i in range(0, take, batch_size)]
-      if group_rows:
-        ready = [ready[i] for i in rng.permutation(len(ready))]
+      ready = (length_grouped(window, lengths, batch_size, rng) if group_rows
+               else [window[i:i + batch_size] for i in range(0, take, batch_size)])
     yield ready.pop(0)
 
 

@@ -23,7 +23,11 @@ folder starts a fresh metrics.jsonl and run id. A rerun of a finished run only r
 Batches have fixed shapes so the step compiles once: every batch holds `batch_size` rows (the last batch of an epoch
 is filled with empty rows, which the token-mean loss ignores) and, with `pad_to = 0`, every row is padded to the
 longest row's length rounded up to 64. Rows are shuffled per epoch by `(seed, epoch)`, and the step's PRNG key is
-`fold_in(key(seed), step)`, so a rerun repeats the run.
+`fold_in(key(seed), step)`, so a rerun repeats the run. With `group_rows` set, each window of that many rows of the
+epoch's order is sorted by length and cut into batches, taken in a seeded order (`dreamjax.rl.batch.length_grouped`,
+as M_exp's training), and each batch is padded to its own longest row rounded up to 128: one compilation per width
+instead of one, but where rows run from a few hundred tokens to a thousand (ALFWorld's prompts with their admissible
+lists), most of a padded batch is no longer padding. Every row is still seen once an epoch.
 
 Evaluation is `dreamjax.loop.evaluate.evaluate`: the rollout engine (the RL code path), greedy, one episode per
 task, in batches of `eval.num_envs` episodes; success rates come with a 95% Wilson interval. Held-out tasks come from
@@ -62,7 +66,7 @@ from dreamjax.loop.policy_data import RowConfig, TurnRow, policy_texts, sft_rows
 from dreamjax.loop.run import RunFolder, resuming
 from dreamjax.loop.track import Tracker, echo, progress
 from dreamjax.loop.value_copies import value_copies
-from dreamjax.rl.batch import sft_batch
+from dreamjax.rl.batch import GROUPED_WIDTH, length_grouped, sft_batch
 from dreamjax.rl.logprobs import score_len_for
 from dreamjax.rl.objectives import make_objective
 from dreamjax.rl.optim import OptimConfig, make_optimizer
@@ -102,6 +106,8 @@ class PolicySftConfig(RunConfig):
   epochs: int = 1
   max_steps: int = 0  # 0: `epochs` decide; else stop after this many updates
   pad_to: int = 0  # row length multiple; 0: the longest row rounded up to 64 (one compilation)
+  # Rows per length-sorted window of an epoch's shuffled rows (module docstring; a multiple of batch_size); 0: none.
+  group_rows: int = 0
   eval: EvalConfig = EvalConfig()
   log_every: int = 10
   # Updates skipped in a row for a non-finite loss or gradient (the step keeps the old weights) before the run stops.
@@ -113,12 +119,26 @@ class PolicySftConfig(RunConfig):
   def __post_init__(self):
     check_settings(self, ("batch_size", "micro_batches", "epochs", "log_every", "max_nonfinite_updates",
                           "keep_checkpoints"),
-                   ("max_steps", "pad_to", "devices", "data_transitions", "checkpoint_every", "value_copies"))
+                   ("max_steps", "pad_to", "devices", "data_transitions", "checkpoint_every", "value_copies",
+                    "group_rows"))
+    if self.group_rows % self.batch_size or (self.group_rows and self.pad_to):
+      raise ValueError(f"PolicySftConfig.group_rows must be a multiple of batch_size ({self.batch_size}) and is "
+                       f"not used with pad_to (a fixed width), got group_rows={self.group_rows}, "
+                       f"pad_to={self.pad_to}")
 
 
-def _batches(rows: Sequence[TurnRow], batch_size: int, rng: np.random.Generator) -> list[list[TurnRow]]:
+def _batches(rows: Sequence[TurnRow], batch_size: int, rng: np.random.Generator, group_rows: int = 0
+             ) -> list[list[TurnRow]]:
+  """One epoch's batches: a seeded permutation of the rows cut into batches, or with `group_rows` each window of
+  that many rows of it length-grouped (`length_grouped`)."""
   order = rng.permutation(len(rows))
-  return [[rows[i] for i in order[s:s + batch_size]] for s in range(0, len(rows), batch_size)]
+  if group_rows:
+    lengths = np.array([len(r.ids) for r in rows])
+    cuts = [b for s in range(0, len(rows), group_rows)
+            for b in length_grouped(order[s:s + group_rows], lengths, batch_size, rng)]
+  else:
+    cuts = [order[s:s + batch_size] for s in range(0, len(rows), batch_size)]
+  return [[rows[i] for i in cut] for cut in cuts]
 
 
 def padded_length(rows: Sequence[TurnRow], pad_to: int) -> int:
@@ -164,6 +184,7 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, run: RunFolder, tracker: 
   steps_per_epoch = math.ceil(len(rows) / cfg.batch_size)
   total = cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * steps_per_epoch
   length = padded_length(rows, cfg.pad_to)
+  width = GROUPED_WIDTH if cfg.group_rows else length  # grouped: each batch its own longest row, rounded up
   score_len = score_len_for([r.loss_mask for r in rows])  # one compilation for every batch
   # rows.restricted_loss: one width of allowed sets for every batch, a power of two as the rollout's
   allowed_width = 1 << (max(r.allowed.shape[1] for r in rows) - 1).bit_length() if cfg.rows.restricted_loss else 0
@@ -188,10 +209,11 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, run: RunFolder, tracker: 
                   enabled=cfg.track.progress and tracker.primary) as bar:
       while step < total:
         epoch, done = divmod(step, steps_per_epoch)  # a resumed run starts inside an epoch
-        for batch_rows in _batches(rows, cfg.batch_size, np.random.default_rng([cfg.seed, epoch]))[done:]:
+        rng = np.random.default_rng([cfg.seed, epoch])
+        for batch_rows in _batches(rows, cfg.batch_size, rng, cfg.group_rows)[done:]:
           if step >= total:
             break
-          batch = sft_batch([r.ids for r in batch_rows], [r.loss_mask for r in batch_rows], pad_to=length,
+          batch = sft_batch([r.ids for r in batch_rows], [r.loss_mask for r in batch_rows], pad_to=width,
                             row_multiple=cfg.batch_size, allowed_width=allowed_width,
                             allowed=[(r.prompt_len, r.allowed) for r in batch_rows] if allowed_width else None)
           state, metrics = step_fn(state, batch, jax.random.fold_in(key, step), score_len)

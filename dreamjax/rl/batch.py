@@ -88,6 +88,19 @@ class SharedPrefixBatch(TokenBatch):
     return self.prefix_tokens, self.prefix_valid, self.prefix_index
 
 
+GROUPED_WIDTH = 128  # width granularity of length-grouped batches: few compilations, little padding
+
+
+def length_grouped(window: np.ndarray, lengths: np.ndarray, batch_size: int, rng: np.random.Generator
+                   ) -> list[np.ndarray]:
+  """The row indices of `window` sorted by `lengths` (stably), cut into batches of `batch_size` (the last may be
+  short) and taken in a seeded random order: each batch holds rows of about one length, so it pads little, and the
+  order of lengths is still random."""
+  window = window[np.argsort(lengths[window], kind="stable")]
+  batches = [window[i:i + batch_size] for i in range(0, len(window), batch_size)]
+  return [batches[i] for i in rng.permutation(len(batches))]
+
+
 def _round_up(n: int, multiple: int) -> int:
   return max(multiple, -(-n // multiple) * multiple)
 
