@@ -42,6 +42,14 @@ def config() -> RLConfig:
       out_dir="runs/headroom/grpo_real_alfworld")
 
 
+def gigpo() -> RLConfig:
+  """The same run with GiGPO's step credit (docs/paper_map.md, "RL"): an ALFWorld group's 8 episodes start in one
+  room and come back to the same receptacles, so the turns taken from one state are compared by their returns-to-go
+  (gamma 0.95 and weight 1, verl-agent's GiGPO settings for ALFWorld), not only the episodes as wholes."""
+  return dataclasses.replace(config(), advantage="gigpo", gamma=0.95, step_advantage_weight=1.0,
+                             out_dir="runs/headroom/gigpo_real_alfworld")
+
+
 def tiny() -> RLConfig:
   cfg = config()
   return dataclasses.replace(cfg, tasks_per_iteration=2, num_workers=0, iterations=2, eval_every=1,

@@ -5,8 +5,10 @@ import dataclasses
 import numpy as np
 import pytest
 
+from dreamjax.data.records import StepRecord, TrajectoryRecord
+from dreamjax.envs.base import Task
 from dreamjax.loop.learner import RLConfig, as_ppo, silent_groups
-from dreamjax.rl.batch import dpo_batch, rl_batch, sft_batch, split_micro_batches
+from dreamjax.rl.batch import dpo_batch, rl_batch, sft_batch, split_micro_batches, turn_returns
 from dreamjax.rollout.trajectory import Trajectories
 from dreamjax.text import Kind
 
@@ -194,6 +196,73 @@ def test_whitening_is_over_loss_tokens():
   assert abs(adv.mean()) < 1e-5 and abs(adv.std(ddof=1) - 1) < 1e-4
   assert not np.asarray(b.advantages)[np.asarray(b.loss_mask) == 0].any()
 
+
+# Each turn's state (text, admissible actions) for GiGPO's step groups, by episode: episodes 0 and 1 (group 0) start
+# in state A; episode 2 (group 1) visits D twice; episode 3 starts in C's text with other admissible actions.
+STATES = [[("A", ("x", "y")), ("B", ("x",))], [("A", ("x", "y"))], [("C", ("u",)), ("D", ("u",)), ("D", ("u",))],
+          [("C", ("v",))]]
+
+
+def with_states(traj: Trajectories, states=STATES) -> Trajectories:
+  task = Task.make("textworld_express", "t")
+  records = tuple(
+      TrajectoryRecord(f"e{e}", "textworld_express", task, "", "policy", e,
+                       tuple(StepRecord(text, "x", "", 0.0, False, False, False, adm, "policy") for text, adm in turns),
+                       False, len(turns), None)
+      for e, turns in enumerate(states))
+  return dataclasses.replace(traj, records=records)
+
+
+def test_turn_returns_are_discounted_within_each_episode():
+  traj = make_traj()
+  turn = traj.reward - 0.1 * traj.invalid
+  np.testing.assert_allclose(turn_returns(traj, turn, 0.5), [0.5, 1.0, -0.1, 0.0, 0.0, 0.0, 1.0], rtol=1e-6)
+  np.testing.assert_allclose(turn_returns(traj, turn, 1.0), [1.0, 1.0, -0.1, 0.0, 0.0, 0.0, 1.0], rtol=1e-6)
+
+
+def test_gigpo_adds_the_step_advantage_of_turns_from_the_same_state():
+  """Dr. GRPO episode advantages (+-0.55 in group 0, +-0.5 in group 1) plus 2 x the step advantages. Returns-to-go at
+  gamma 0.5: rows 0..6 = 0.5, 1, -0.1, 0, 0, 0, 1. State A holds rows 0 and 2 (0.5 and -0.1: +-0.3); B and C are
+  reached once; D twice with equal returns; episode 3's C has other admissible actions, so it is another state."""
+  traj = with_states(make_traj())
+  b = rl_batch(traj, advantage="gigpo", invalid_penalty=0.1, gamma=0.5, step_weight=2.0, normalize_std=False, pad_to=8)
+  check_on_actions(np.asarray(b.advantages)[:, :T], [0.55 + 0.6, 0.55, -0.55 - 0.6, -0.5, -0.5, -0.5, 0.5])
+  # With episode 3's C the same state as episode 2's, C compares 0 against 1.
+  same_c = [*STATES[:3], [("C", ("u",))]]
+  b = rl_batch(with_states(make_traj(), same_c), advantage="gigpo", invalid_penalty=0.1, gamma=0.5, step_weight=2.0,
+               normalize_std=False, pad_to=8)
+  check_on_actions(np.asarray(b.advantages)[:, :T], [1.15, 0.55, -1.15, -1.5, -0.5, -0.5, 1.5])
+  # Weight 0 is GRPO.
+  plain = rl_batch(traj, advantage="grpo", invalid_penalty=0.1, normalize_std=False, pad_to=8)
+  zero = rl_batch(traj, advantage="gigpo", invalid_penalty=0.1, gamma=0.5, step_weight=0.0, normalize_std=False,
+                  pad_to=8)
+  np.testing.assert_array_equal(np.asarray(zero.advantages), np.asarray(plain.advantages))
+  # An episode the env failed on counts in no step group: A is left with row 0 alone.
+  failed = dataclasses.replace(traj, env_error=np.array([False, True, False, False]))
+  b = rl_batch(failed, advantage="gigpo", invalid_penalty=0.1, gamma=0.5, step_weight=2.0, normalize_std=False,
+               pad_to=8)
+  check_on_actions(np.asarray(b.advantages)[:, :T], [0.0, 0.0, 0.0, -0.5, -0.5, -0.5, 0.5])
+
+
+def test_gigpo_silent_groups_and_config():
+  """Both episodes of group 1 succeed, on turns 3 and 1: equal returns, so GRPO says nothing there; GiGPO with
+  gamma < 1 credits the sooner success from the shared start state C, and with gamma 1 it is silent too."""
+  reward = np.array([0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0], np.float32)
+  traj = with_states(dataclasses.replace(make_traj(), reward=reward), [*STATES[:3], [("C", ("u",))]])
+  np.testing.assert_array_equal(silent_groups(traj, 0.1, "episode"), [False, True])
+  np.testing.assert_array_equal(silent_groups(traj, 0.1, "episode", "gigpo", 0.5), [False, False])
+  np.testing.assert_array_equal(silent_groups(traj, 0.1, "episode", "gigpo", 1.0), [False, True])
+  b = rl_batch(traj, advantage="gigpo", invalid_penalty=0.1, gamma=0.5, normalize_std=False, pad_to=8)
+  # Returns-to-go in group 1: rows 3..6 = 0.25, 0.5, 1, 1; C holds rows 3 and 6, D rows 4 and 5 (one episode's
+  # two visits are compared like any two).
+  check_on_actions(np.asarray(b.advantages)[:, :T], [0.55 + 0.3, 0.55, -0.55 - 0.3, -0.375, -0.25, 0.25, 0.375])
+  with pytest.raises(ValueError, match="episode records for 4 episodes"):
+    rl_batch(make_traj(), advantage="gigpo")
+  assert RLConfig(advantage="gigpo").advantage == "gigpo"
+  with pytest.raises(ValueError, match="invalid_credit must be one of"):
+    RLConfig(advantage="gigpo", invalid_credit="turn")
+  with pytest.raises(ValueError, match="gamma must lie in"):
+    RLConfig(advantage="gigpo", gamma=0.0)
 
 def test_rl_batch_errors_name_the_problem():
   traj = make_traj()

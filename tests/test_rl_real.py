@@ -263,22 +263,28 @@ def test_an_update_moves_log_probs_along_the_advantages(learner, rollout):
   assert np.sum(adv * after) > np.sum(adv * before)
 
 
-@pytest.mark.parametrize("credit", ["episode", "turn"])
-def test_dropping_zero_variance_groups_updates_only_the_others(warm_start, learner, twx, tmp_path, credit):
-  cfg = dataclasses.replace(learner.cfg, drop_zero_variance_groups=True, invalid_credit=credit, out_dir=str(tmp_path))
+@pytest.mark.parametrize("credit, advantage", [("episode", "grpo"), ("turn", "grpo"), ("episode", "gigpo")])
+def test_dropping_zero_variance_groups_updates_only_the_others(warm_start, learner, twx, tmp_path, credit, advantage):
+  cfg = dataclasses.replace(learner.cfg, drop_zero_variance_groups=True, invalid_credit=credit, advantage=advantage,
+                            gamma=0.9, out_dir=str(tmp_path))
   mesh = make_mesh(cfg.mesh, jax.devices()[:1])
   model_cfg, params, tok = load_model(cfg.model.checkpoint, mesh=mesh)
   other = PolicyLearner(cfg, model_cfg, params, tok, mesh)
   pool = cfg.train_tasks.tasks(cfg.env)
   # The iteration's own draw and key, rolled out by hand to know which groups are flat.
   traj = other.engine.run(other.params, twx, draw_tasks(pool, 2, 0, cfg.seed), phase_key(other.root, 0, PHASE_ROLLOUT))
-  flat = silent_groups(traj, cfg.invalid_penalty, credit)
-  if credit == "episode":
+  flat = silent_groups(traj, cfg.invalid_penalty, credit, advantage, cfg.gamma)
+  if credit == "episode" and advantage == "grpo":
     assert (flat == zero_variance_groups(traj, episode_returns(traj, cfg.invalid_penalty))).all()
   metrics, _ = other.iteration(twx, draw_tasks(pool, 2, 0, cfg.seed), 0)
   assert metrics["rows"] == traj.num_rows
   assert metrics["rows_updated"] == int((~flat[traj.group[traj.episode]]).sum())
   assert metrics["zero_variance_group_frac"] == flat.mean()
+  if advantage == "gigpo":  # a group's episodes all start in its task's first state
+    assert 0 < metrics["step_group_shared_frac"] <= 1
+    batch, _ = other.build_batch(traj)  # the rows of silent groups are exactly those with no advantage anywhere
+    moving = np.abs(np.asarray(batch.advantages)[:traj.num_rows]).sum(1) > 0
+    np.testing.assert_array_equal(np.bincount(traj.group[traj.episode[moving]], minlength=len(flat)) == 0, flat)
 
 
 def test_evaluate_counts_intervals_and_outcomes(learner, twx, capsys):

@@ -176,6 +176,9 @@ def test_alfworld_candidate_stages_share_one_setup_and_learn_from_observable_pla
   assert sft.value_copies == 3 and sft.rows.prompt_loss and sft.model.tiny.tie_word_embeddings
   assert sft.max_steps == sft.optim.total_steps == 3000 and sft.group_rows % sft.batch_size == 0 < sft.group_rows
   assert grpo.optim.lr == 1e-4  # a third of twc's: the lr that gained on the held-out games
+  gigpo = load_config("configs/grpo_real_alfworld.py:gigpo")  # the same run but for the step credit
+  assert (gigpo.advantage, gigpo.gamma, grpo.advantage) == ("gigpo", 0.95, "grpo")
+  assert dataclasses.replace(gigpo, advantage="grpo", gamma=grpo.gamma, out_dir=grpo.out_dir) == grpo
   limit = [k for k in collect.env_kwargs if k.startswith("step_limit=")]
   assert limit == [k for k in sft.env_kwargs if k.startswith("step_limit=")] == ["step_limit=20"]
   assert sft.env_kwargs == grpo.env_kwargs == ev.env_kwargs

@@ -196,8 +196,8 @@ def at_test_size(cfg: ReproduceConfig, *, policies: tuple[str, ...], out_dir: st
 
 
 # The fields that make a run PPO rather than GRPO: what a PPO row takes from `ReproduceConfig.ppo`.
-ALGORITHM_FIELDS = ("algorithm", "objective", "critic", "advantage", "gamma", "lam", "normalize_std",
-                    "whiten_advantages", "drop_zero_variance_groups", "optim", "epochs")
+ALGORITHM_FIELDS = ("algorithm", "objective", "critic", "advantage", "gamma", "lam", "step_advantage_weight",
+                    "normalize_std", "whiten_advantages", "drop_zero_variance_groups", "optim", "epochs")
 
 
 def as_algorithm(rl: RLConfig, algorithm: str, ppo: RLConfig | None) -> RLConfig:

@@ -37,6 +37,11 @@ GRPO groups whose G returns are all equal have zero advantage (`grpo_advantages`
 `drop_zero_variance_groups` (DAPO's dynamic-sampling filter) their rows are left out of the update, which saves their
 compute; their fraction is logged either way.
 
+GiGPO (`advantage="gigpo"`, algorithm grpo) adds a step advantage to GRPO's episode one (`rl_batch`): turns of a
+group that started in the same env state are compared by their discounted returns-to-go, so where episodes pass
+through the same states the action taken there gets its own credit. `step_group_shared_frac` logs the fraction of
+updated turns whose state another turn of their group also reached (the turns a step advantage can reach).
+
 Reproducibility: one root key from the seed, folded with (iteration, phase) for rollouts and updates
 (`dreamjax.rl.keys`); NumPy draws are seeded with (seed, phase, ...). Several processes: every process runs the same
 iteration on the same seeds and its own copy of the envs; `check_same` compares a digest of each rollout and fails
@@ -62,7 +67,7 @@ from dreamjax.loop.track import echo
 from dreamjax.models import ModelConfig, tiny
 from dreamjax.models.params import in_compute_dtype, sampling_copy
 from dreamjax.parallel import TRAIN_RULES, check_same
-from dreamjax.rl.batch import INVALID_CREDIT, TokenBatch, rl_batch
+from dreamjax.rl.batch import INVALID_CREDIT, TokenBatch, anchor_groups, rl_batch, step_advantages
 from dreamjax.rl.critic import Critic, CriticConfig, critic_metrics, explained_variance
 from dreamjax.rl.keys import PHASE_CRITIC, PHASE_EVAL, PHASE_ROLLOUT, PHASE_SHUFFLE, PHASE_UPDATE, phase_key
 from dreamjax.rl.logprobs import LogpScorer
@@ -76,7 +81,7 @@ from dreamjax.rollout.trajectory import Trajectories
 from dreamjax.sampling import speculation_rates
 from dreamjax.text import Tokenizer
 
-ALGORITHMS = {"grpo": ("grpo",), "ppo": ("gae_turn", "gae_token")}  # algorithm -> advantages it accepts
+ALGORITHMS = {"grpo": ("grpo", "gigpo"), "ppo": ("gae_turn", "gae_token")}  # algorithm -> advantages it accepts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,8 +112,10 @@ class RLConfig(RunConfig):
   # Its temperature must equal rollout.temperature (ratios compare the distributions the rollout sampled from).
   objective: PolicyGradientConfig = PolicyGradientConfig(kl_coef=0.02, kl_kind="low_var_kl")
   critic: CriticConfig = CriticConfig()  # PPO only: a separate value model (default) or a head on the policy
-  advantage: str = "grpo"  # grpo (with algorithm grpo) | gae_turn | gae_token (with algorithm ppo)
-  gamma: float = 1.0  # GAE discount per turn (gae_turn) or per token (gae_token)
+  advantage: str = "grpo"  # grpo | gigpo (with algorithm grpo) | gae_turn | gae_token (with algorithm ppo)
+  # GAE's discount per turn (gae_turn) or per token (gae_token); GiGPO's per turn, for its step returns-to-go
+  gamma: float = 1.0
+  step_advantage_weight: float = 1.0  # GiGPO: the step advantage's weight beside the episode's (rl_batch)
   lam: float = 1.0
   normalize_std: bool = True  # GRPO: divide by the group's std (False: Dr. GRPO)
   whiten_advantages: bool = False  # PPO: whiten advantages over the batch's action tokens
@@ -163,6 +170,9 @@ class RLConfig(RunConfig):
     if self.invalid_credit not in INVALID_CREDIT or (self.invalid_credit == "turn" and self.advantage != "grpo"):
       raise ValueError(f"RLConfig.invalid_credit must be one of {INVALID_CREDIT} ('turn' with advantage 'grpo' only), "
                        f"got {self.invalid_credit!r} with advantage {self.advantage!r}")
+    if not 0.0 < self.gamma <= 1.0 or self.step_advantage_weight < 0:
+      raise ValueError(f"RLConfig: gamma must lie in (0, 1] and step_advantage_weight be >= 0, got {self.gamma} and "
+                       f"{self.step_advantage_weight}")
     if self.algorithm == "ppo" and self.critic.mode == "shared_head" and self.objective.vf_coef <= 0:
       raise ValueError("RLConfig: a shared-head critic (critic.mode 'shared_head') trains through the policy's value "
                        "loss; set objective.vf_coef > 0")
@@ -253,9 +263,16 @@ def zero_variance_groups(traj: Trajectories, returns: np.ndarray) -> np.ndarray:
   return (hi == lo) | (np.bincount(traj.group[ok], minlength=groups) < 2)
 
 
-def silent_groups(traj: Trajectories, invalid_penalty: float, invalid_credit: str) -> np.ndarray:
+def silent_groups(traj: Trajectories, invalid_penalty: float, invalid_credit: str, advantage: str = "grpo",
+                  gamma: float = 1.0) -> np.ndarray:
   """bool [num groups]: groups whose GRPO update is zero on every row. With episode credit, those of equal returns;
-  with turn credit, those of equal env returns with no invalid turn (each carries its own penalty, rl_batch)."""
+  with turn credit, those of equal env returns with no invalid turn (each carries its own penalty, rl_batch). GiGPO:
+  those of equal returns whose step advantages are all 0 too (all its episodes may succeed, in different turns)."""
+  if advantage == "gigpo":
+    turn = traj.reward - invalid_penalty * traj.invalid.astype(np.float32)
+    moving = step_advantages(traj, turn, gamma, normalize_std=False) != 0
+    stepped = np.bincount(traj.group[traj.episode[moving]], minlength=int(traj.group.max()) + 1) > 0
+    return zero_variance_groups(traj, episode_returns(traj, invalid_penalty)) & ~stepped
   if invalid_credit == "episode" or not invalid_penalty:
     return zero_variance_groups(traj, episode_returns(traj, invalid_penalty))
   invalid = traj.invalid & ~traj.left_out[traj.episode]
@@ -407,7 +424,8 @@ class PolicyLearner:
     batch = rl_batch(traj, advantage=cfg.advantage, values=values, ref_logp=ref_logp,
                      invalid_penalty=cfg.invalid_penalty, gamma=cfg.gamma, lam=cfg.lam,
                      normalize_std=cfg.normalize_std, whiten_advantages=cfg.whiten_advantages,
-                     episode_weights=cfg.episode_weights, invalid_credit=cfg.invalid_credit, pad_to=cfg.pad_to)
+                     episode_weights=cfg.episode_weights, invalid_credit=cfg.invalid_credit,
+                     step_weight=cfg.step_advantage_weight, pad_to=cfg.pad_to)
     return batch, times
 
   def minibatches(self, batch: TokenBatch, rows: np.ndarray, iteration: int, epochs: int, rows_per_step: int):
@@ -467,7 +485,7 @@ class PolicyLearner:
     check_same(f"the rollout of iteration {iteration}", traj.tokens, traj.reward, traj.done, traj.invalid)
     unparsed = unparsed_rows(traj, self.tokenizer)
     returns = episode_returns(traj, cfg.invalid_penalty)
-    flat = silent_groups(traj, cfg.invalid_penalty, cfg.invalid_credit)
+    flat = silent_groups(traj, cfg.invalid_penalty, cfg.invalid_credit, cfg.advantage, cfg.gamma)
     keep = ~traj.left_out[traj.episode]  # rl_batch gives them no loss anyway; this spares their compute
     if cfg.drop_zero_variance_groups and cfg.algorithm == "grpo":
       keep &= ~flat[traj.group[traj.episode]]
@@ -482,6 +500,9 @@ class PolicyLearner:
       times["critic_update_s"] = time.perf_counter() - t0
     if cfg.algorithm == "ppo":
       metrics.update(value_metrics(batch))
+    if cfg.advantage == "gigpo":
+      anchors = anchor_groups(traj)[kept]
+      metrics["step_group_shared_frac"] = _mean(np.bincount(anchors)[anchors] >= 2)
     ok = ~traj.left_out  # episodes the env failed on or the budget cut measure nothing: rates are over the others
     metrics.update(
         rollout_success=_mean(traj.success[ok]), rollout_reward=_mean(traj.episode_reward[ok]),

@@ -40,7 +40,7 @@ from dreamjax.rl.advantages import gae_advantages, grpo_advantages, whiten
 from dreamjax.rl.logprobs import row_positions
 from dreamjax.rollout.trajectory import Trajectories
 
-ADVANTAGES = ("grpo", "gae_turn", "gae_token")
+ADVANTAGES = ("grpo", "gigpo", "gae_turn", "gae_token")
 INVALID_CREDIT = ("episode", "turn")  # where GRPO puts the invalid-action penalty (rl_batch)
 
 
@@ -149,6 +149,7 @@ def rl_batch(
     whiten_advantages: bool = False,
     episode_weights: bool = False,
     invalid_credit: str = "episode",
+    step_weight: float = 1.0,
     pad_to: int = 64,
     row_multiple: int = 1,
 ) -> TokenBatch:
@@ -157,6 +158,9 @@ def rl_batch(
   Turn rewards are the env's minus `invalid_penalty` on invalid turns (verl-agent's invalid-action penalty).
   - "grpo": each episode's return (sum of its turn rewards) is normalised within its group (`grpo_advantages`) and
     given to every action token of the episode's turns.
+  - "gigpo" (GiGPO, verl-agent): "grpo"'s episode advantage plus `step_weight` times a step advantage
+    (`step_advantages`): turns of one group that started in the same env state are compared by their discounted
+    returns-to-go (`gamma` per turn), so the action taken there is credited, not only the episode.
   - "gae_turn": GAE over turns (`gamma`, `lam` per turn) with the critic's value of each turn's state (`values` at the
     turn's first action token, i.e. the value head at its last prompt token); turn t's advantage goes to all its
     action tokens, and its return (advantage + value) is the value target of those tokens.
@@ -186,7 +190,7 @@ def rl_batch(
     raise ValueError(f"rl_batch: invalid_credit {invalid_credit!r} must be one of {INVALID_CREDIT} ('turn' with the "
                      f"grpo advantage only: GAE already credits the penalty to its turn), got advantage {advantage!r}")
   m, t = traj.tokens.shape
-  if values is None and advantage != "grpo":
+  if values is None and advantage.startswith("gae"):
     raise ValueError(f"rl_batch: advantage {advantage!r} needs critic `values` [M, T] for the trajectory rows")
   kept = ~traj.left_out
   loss_mask = np.asarray(traj.loss_mask, np.float32) * kept[traj.episode][:, None]
@@ -196,13 +200,15 @@ def rl_batch(
   adv_rows = np.zeros((m, t), np.float32)
   ret_rows = np.zeros((m, t), np.float32)
 
-  if advantage == "grpo":
+  if advantage in ("grpo", "gigpo"):
     per_turn = invalid_credit == "turn"
     returns = np.zeros((n,), np.float32)
     np.add.at(returns, traj.episode, np.asarray(traj.reward, np.float32) if per_turn else turn_reward)
     adv = np.asarray(grpo_advantages(returns, traj.group, (traj.num_turns > 0) & kept,
                                      num_groups=int(traj.group.max()) + 1, normalize_std=normalize_std))
     row_adv = adv[traj.episode] - (invalid_penalty * np.asarray(traj.invalid, np.float32) if per_turn else 0.0)
+    if advantage == "gigpo":
+      row_adv = row_adv + step_weight * step_advantages(traj, turn_reward, gamma, normalize_std)
     adv_rows = row_adv[:, None] * loss_mask
   elif advantage == "gae_turn":
     turn_rows = traj.turn_rows
@@ -245,6 +251,46 @@ def rl_batch(
   if values is not None:
     d["old_values"][:m, :t] = values
   return _finish(d)
+
+
+def anchor_groups(traj: Trajectories) -> np.ndarray:
+  """int32 [M]: each turn row's GiGPO step group, numbered in order of first appearance: the rows of one GRPO group
+  (task) whose turns started in the same env state, told by the state's text and its admissible actions (the text
+  alone can repeat in different states: "Nothing happens."). The states come from `traj.records`."""
+  if len(traj.records) != traj.num_episodes:
+    raise ValueError(f"anchor_groups: the trajectories hold {len(traj.records)} episode records for "
+                     f"{traj.num_episodes} episodes; GiGPO's step groups read each turn's state from them")
+  ids: dict[tuple, int] = {}
+  out = np.empty(traj.num_rows, np.int32)
+  for row, (e, k) in enumerate(zip(traj.episode.tolist(), traj.turn.tolist())):
+    steps = traj.records[e].steps
+    if k >= len(steps):
+      raise ValueError(f"anchor_groups: turn row {row} is turn {k} of episode {e}, whose record has {len(steps)} steps")
+    out[row] = ids.setdefault((int(traj.group[e]), steps[k].state, steps[k].admissible), len(ids))
+  return out
+
+
+def turn_returns(traj: Trajectories, turn_reward: np.ndarray, gamma: float) -> np.ndarray:
+  """float32 [M]: each turn row's discounted return-to-go in its episode, sum over k >= t of gamma^(k - t) r_k."""
+  on = traj.turn_rows >= 0
+  rows = np.where(on, traj.turn_rows, 0)
+  rewards = np.where(on, np.asarray(turn_reward, np.float32)[rows], 0.0)  # 0 past an episode's end
+  out = np.zeros(traj.num_rows, np.float32)
+  running = np.zeros(traj.num_episodes, np.float32)
+  for k in reversed(range(rows.shape[1])):
+    running = rewards[:, k] + np.float32(gamma) * running
+    out[rows[on[:, k], k]] = running[on[:, k]]
+  return out
+
+
+def step_advantages(traj: Trajectories, turn_reward: np.ndarray, gamma: float, normalize_std: bool) -> np.ndarray:
+  """float32 [M]: GiGPO's step advantage of each turn row, its return-to-go (`turn_returns`) normalised within its
+  step group (`anchor_groups`) as GRPO normalises returns within a task's group. A state only one kept turn reached,
+  or one whose turns all returned the same, gives 0; rows of left-out episodes get 0 and count in no group."""
+  anchors = anchor_groups(traj)
+  kept = ~traj.left_out[traj.episode]
+  return np.asarray(grpo_advantages(turn_returns(traj, turn_reward, gamma), anchors, kept,
+                                    num_groups=int(anchors.max(initial=0)) + 1, normalize_std=normalize_std))
 
 
 def _token_gae(traj: Trajectories, turn_reward, values, loss_mask, gamma, lam, pad_to):
