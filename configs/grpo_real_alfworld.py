@@ -45,7 +45,9 @@ def config() -> RLConfig:
 def gigpo() -> RLConfig:
   """The same run with GiGPO's step credit (docs/paper_map.md, "RL"): an ALFWorld group's 8 episodes start in one
   room and come back to the same receptacles, so the turns taken from one state are compared by their returns-to-go
-  (gamma 0.95 and weight 1, verl-agent's GiGPO settings for ALFWorld), not only the episodes as wholes."""
+  (gamma 0.95 and weight 1, verl-agent's GiGPO settings for ALFWorld), not only the episodes as wholes. 26
+  iterations (55 minutes) won 73 of the 200 held-out games, +0.145 [+0.070, +0.220] paired against SFT and +0.015
+  [-0.045, +0.075] against this config's GRPO (experiments/RESULTS.md, thirty-ninth stop)."""
   return dataclasses.replace(config(), advantage="gigpo", gamma=0.95, step_advantage_weight=1.0,
                              out_dir="runs/headroom/gigpo_real_alfworld")
 

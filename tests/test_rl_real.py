@@ -280,6 +280,8 @@ def test_dropping_zero_variance_groups_updates_only_the_others(warm_start, learn
   assert metrics["rows"] == traj.num_rows
   assert metrics["rows_updated"] == int((~flat[traj.group[traj.episode]]).sum())
   assert metrics["zero_variance_group_frac"] == flat.mean()
+  won = [traj.success[(traj.group == g) & ~traj.left_out].any() for g in range(len(flat))]
+  assert metrics["failed_group_frac"] == 1 - np.mean(won)
   if advantage == "gigpo":  # a group's episodes all start in its task's first state
     assert 0 < metrics["step_group_shared_frac"] <= 1
     batch, _ = other.build_batch(traj)  # the rows of silent groups are exactly those with no advantage anywhere

@@ -507,6 +507,8 @@ class PolicyLearner:
     metrics.update(
         rollout_success=_mean(traj.success[ok]), rollout_reward=_mean(traj.episode_reward[ok]),
         rollout_return=_mean(returns[ok]), zero_variance_group_frac=float(flat.mean()),
+        # groups none of whose kept episodes succeeded: the silent ones GRPO and GiGPO cannot learn from
+        failed_group_frac=float((np.bincount(traj.group[ok & traj.success], minlength=len(flat)) == 0).mean()),
         env_errors=int(traj.env_error.sum()), budget_cut_episodes=int(traj.budget_cut.sum()),
         rows=traj.num_rows, rows_updated=int(keep.sum()), mean_turns=float(traj.num_turns.mean()),
         invalid_rate=float((traj.invalid & ~unparsed).sum() / max(1, (~unparsed).sum())),
