@@ -6,6 +6,9 @@ Real games are generated into a temporary folder once per module (one per task t
 import filecmp
 import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -150,6 +153,63 @@ def test_random_policy_mostly_fails(env, train_tasks):
     wins += result.success
     assert result.success or result.info["truncated"]
   assert wins <= 1
+
+
+def test_memoised_translation_plays_the_same_game(env, train_tasks):
+  """Envs whose reset read the PDDL translation from memory (sharing the parsed task with the env that translated
+  it) play exactly the game the translating env plays, stepped in turn, the planner's plans included; and the same
+  episode with textworld's parsers not memoised."""
+  import fast_downward
+
+  task = next(t for t in train_tasks if t.param["task_type"] == "pick_heat_then_place_in_recep")
+  env.reset(task)  # the module's env has memoised textworld's parsers in this process
+  fast_downward.pddl2sas.cache_clear()
+  envs = [aw.AlfworldEnv(step_limit=12, expert="planner") for _ in range(3)]
+  try:
+    # textworld translates twice on load and twice on reset: the first env's first two translate.
+    first = [e.reset(task) for e in envs]
+    info = fast_downward.pddl2sas.cache_info()
+    assert (info.misses, info.hits) == (2, 10) and first[1] == first[0] and first[2] == first[0]
+    rng = random.Random(0)
+    obs, done, actions, episode = first[0], False, [], [_comparable(first[0], None)]
+    while not done:
+      plans = [e.expert_action() for e in envs]
+      assert plans[1] == plans[0] and plans[2] == plans[0] and plans[0] is not None
+      actions.append(plans[0] if len(actions) % 2 else rng.choice(obs.admissible))
+      results = [e.step(actions[-1]) for e in envs]
+      assert results[1] == results[0] and results[2] == results[0]
+      obs, done = results[0].observation, results[0].done
+      episode.append(_comparable(obs, plans[0], results[0]))
+    assert fast_downward.pddl2sas.cache_info().misses == 2
+  finally:
+    for e in envs:
+      e.close()
+  # The same actions in a process where textworld parses and translates everything anew.
+  script = f"""
+import json, sys
+from dreamjax.envs import Task, alfworld as aw
+from tests.test_env_alfworld import _comparable
+aw._memoize_textworld = lambda: None
+params, actions = map(json.loads, sys.argv[1:])  # read first: fast-downward's translation rewrites sys.argv
+env = aw.AlfworldEnv(step_limit=12, expert="planner")
+episode = [_comparable(env.reset(Task.make("alfworld", {task.task_id!r}, **params)), None)]
+for action in actions:
+  plan = env.expert_action()
+  result = env.step(action)
+  episode.append(_comparable(result.observation, plan, result))
+import fast_downward
+assert not hasattr(fast_downward.pddl2sas, "cache_info")
+print(json.dumps(episode))
+"""
+  out = subprocess.run([sys.executable, "-c", script, json.dumps(task.param), json.dumps(actions)],
+                       capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert json.loads(out.stdout.splitlines()[-1]) == episode
+
+
+def _comparable(obs, plan, result=None) -> list:
+  extra = [result.reward, result.done, result.success, result.invalid, result.info["observation"]] if result else []
+  return [obs.state, obs.instruction, list(obs.admissible), plan, *extra]
 
 
 def test_invalid_action_is_flagged_and_the_step_limit_ends_episodes(env, train_tasks):
