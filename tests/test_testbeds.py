@@ -195,3 +195,50 @@ def test_alfworld_candidate_stages_share_one_setup_and_learn_from_observable_pla
   assert sft.eval.split == grpo.eval_tasks.split == ev.tasks.split == "eval"
   assert collect.games == sft.eval.games == grpo.train_tasks.games == ev.tasks.games == ("pick_and_place_simple",)
   assert grpo.model.checkpoint == ev.checkpoint == f"{sft.out_dir}/checkpoint"
+
+
+@pytest.mark.parametrize("variant", ["", ":tiny"])
+def test_alfworld_table_runs_the_testbeds_own_stages(variant):
+  """configs/reproduce_alfworld_pp.py: every stage on the ALFWorld testbed's games, limit, prompts and restricted
+  answers, trained on the train floor plans and scored on the held-out ones; at full size each stage is the
+  standalone config that was measured (collection, SFT, real-env GRPO, M_exp, evaluation)."""
+  cfg = load_config(f"configs/reproduce_alfworld_pp.py{variant}")
+  stages = (cfg.sft, cfg.dpo, cfg.real, cfg.dreamgym.rl, cfg.eval)
+  assert {c.env for c in stages} == {cfg.collect.env} == {"alfworld"}
+  assert {c.env_kwargs for c in stages} == {("step_limit=20", "invalid_action=continue")}
+  assert "step_limit=20" in cfg.collect.env_kwargs and "expert=handcoded" in cfg.collect.env_kwargs
+  assert cfg.real.agent == cfg.sft.agent == cfg.dpo.agent == cfg.dreamgym.rl.agent == cfg.eval.agent
+  assert all(c.rollout.constrain_actions and c.rollout.max_turns == 20 for c in stages)
+  assert {c.rollout.prompt_buckets for c in stages} == {cfg.sft.rollout.prompt_buckets}
+  games = ("pick_and_place_simple",)
+  assert cfg.collect.games == cfg.real.train_tasks.games == cfg.eval.tasks.games == cfg.sft.eval.games == games
+  assert cfg.collect.split == cfg.real.train_tasks.split == cfg.dreamgym.rl.train_tasks.split == "train"
+  assert cfg.eval.tasks.split == cfg.real.eval_tasks.split == cfg.sft.eval.split == cfg.dpo.eval.split == "eval"
+  # The expert's demonstrations lead the file, so the SFT cap (whole episodes in file order) reads them first.
+  assert cfg.collect.policies[0].startswith("expert:") and cfg.sft.rows.step_sources == ("expert",)
+  assert cfg.dpo.pairs.chosen_policies == ("expert",)
+  assert cfg.exp.format.reasoning and cfg.dreamgym.reasoning and "no_reasoning" in cfg.ablations
+  assert (cfg.dreamgym.exp_temperature, cfg.dreamgym.exp_retry_temperature) == (0.0, 1.0)
+  # PPO rows: verl-agent's PPO on the GRPO config's policy optimizer; only the algorithm differs.
+  assert cfg.ppo.algorithm == "ppo" and cfg.ppo.optim == cfg.real.optim and cfg.ppo.critic.mode == "separate"
+  b = cfg.budgets
+  assert (b.dpo, b.real_rl, b.s2r * 16) == (2 * b.sft, 4 * b.sft, b.real_rl)
+  if not variant:
+    collection = load_config("configs/collect_alfworld.py:headroom")
+    assert cfg.collect == collection and collection.policies[0] == "expert:600"
+    assert b.sft >= 6074  # the 600 expert episodes' steps in runs/headroom/alfworld_pp_train20 (its summary)
+    assert cfg.sft == load_config("configs/train_policy_alfworld.py")
+    assert cfg.real == load_config("configs/grpo_real_alfworld.py")
+    assert dataclasses.replace(cfg.dreamgym.rl, out_dir=cfg.real.out_dir) == cfg.real
+    assert dataclasses.replace(cfg.eval, out_dir="runs/eval/alfworld") == load_config("configs/eval_alfworld.py")
+    exp = load_config("configs/train_exp_alfworld.py")
+    assert dataclasses.replace(cfg.exp, eval_every=exp.eval_every) == exp
+    assert exp.trajectories == (f"{collection.out_dir}/trajectories.jsonl",)
+    # twc's M_exp model and format (configs/train_exp_twc.py), room for ALFWorld's longer examples.
+    twc = load_config("configs/train_exp_twc.py")
+    assert (exp.format, exp.model, exp.steps) == (twc.format, twc.model, twc.steps) and exp.max_len == 2048
+    assert cfg.seeds == (0, 1, 2) and cfg.algorithms == ("grpo", "ppo") and len(cfg.ablations) == 4
+    assert cfg.eval.tasks.count == 200 and cfg.out_dir == "runs/reproduce/alfworld_pp"
+  else:
+    assert load_config("configs/train_exp_alfworld.py:tiny").trajectories == (
+        f"{cfg.out_dir}/data/trajectories.jsonl",)
