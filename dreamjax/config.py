@@ -135,6 +135,10 @@ def _name(hint) -> str:
   return getattr(hint, "__name__", str(hint))
 
 
+def _unquote(s: str) -> str:
+  return s[1:-1] if len(s) >= 2 and s[0] == s[-1] and s[0] in "'\"" else s
+
+
 def _parse(raw: str, hint) -> Any:
   origin = typing.get_origin(hint)
   if origin in (typing.Union, types.UnionType):
@@ -151,7 +155,8 @@ def _parse(raw: str, hint) -> Any:
         errors.append(str(e))
     raise ValueError("; ".join(errors))
   if origin is tuple:
-    items = [s.strip() for s in raw.strip("()[]").split(",") if s.strip()]
+    # "a,b", "(a, b)" and a JSON list '["a", "b"]' all give ("a", "b"): quotes around an element are not part of it.
+    items = [_unquote(s.strip()) for s in raw.strip().strip("()[]").split(",") if s.strip()]
     args = typing.get_args(hint)
     element = args[0] if args else str
     return tuple(_parse(s, element) for s in items)

@@ -15,6 +15,13 @@ def test_overrides_are_parsed_by_field_type():
   assert apply_overrides(cfg, ["batch=4", "batch=5"]).batch == 5  # the last wins
 
 
+def test_tuple_overrides_take_plain_lists_and_json_lists():
+  """`--set 'trajectories=["a.jsonl", "b.jsonl"]'` once kept the quotes in each path ("... does not exist")."""
+  from dreamjax.loop.learner import TaskSpec
+  for raw in ("a,b", "(a, b)", '["a", "b"]', "['a','b']"):
+    assert apply_overrides(TaskSpec(), [f"games={raw}"]).games == ("a", "b")
+
+
 def test_fields_that_must_agree_change_together():
   """Each section is rebuilt once with all its changes: RLConfig refuses a rollout temperature its objective does not
   share, and one override at a time could never change both."""
