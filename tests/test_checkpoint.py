@@ -135,6 +135,18 @@ def test_keep_last_n_and_uncommitted_steps(tmp_path):
   ck.close()
 
 
+def test_a_checkpointer_closed_without_a_save_exits_without_a_traceback(tmp_path):
+  """orbax removes unfinished steps in a thread started when the folder opens; a command that closed its folder
+  without saving (a config error, say) once let that thread run into the interpreter's shutdown, which printed a
+  RuntimeError traceback under the command's own one-line error."""
+  code = (f"from dreamjax.loop.checkpoint import RunCheckpointer\n"
+          f"RunCheckpointer({str(tmp_path / 'ck')!r}).close()\nprint('closed')\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=Path(__file__).parent.parent)
+  assert out.returncode == 0 and out.stdout.strip() == "closed", out.stderr[-2000:]
+  assert "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
 def test_arrays_may_be_donated_as_soon_as_save_returns(tmp_path):
   """The train step donates the state right after a checkpoint starts; the checkpoint keeps the values it was given."""
   x = {"w": jnp.arange(1 << 20, dtype=jnp.float32)}

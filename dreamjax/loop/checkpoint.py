@@ -405,6 +405,12 @@ class RunCheckpointer:
 
   def close(self) -> None:
     self.wait()
+    # orbax (0.12) removes a folder's unfinished steps in a thread it starts when the manager opens, and waits for it
+    # only before a save: a run that closed without saving (a config error, a finished run read again) left it
+    # running into the interpreter's shutdown, which printed a RuntimeError traceback after the command's own output.
+    cleanup = getattr(self._manager, "_cleanup_tmp_directory_future", None)
+    if cleanup is not None:
+      cleanup.result()
     self._manager.close()
 
   def __enter__(self) -> RunCheckpointer:
