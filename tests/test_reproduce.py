@@ -243,3 +243,40 @@ def test_stage_runs_are_named_for_wandb_by_method_and_seed():
   named = dataclasses.replace(cfg.sft, track=dataclasses.replace(cfg.sft.track, name="mine", group="exp7"))
   assert (tracked(named, "twx_tiny", "train-policy", "sft").track.name, tracked(named, "g", "j", "n").track.group) == \
       ("mine", "exp7")  # what the config sets wins
+
+
+def test_shapes_compare_rows_paired_over_tasks_and_seeds():
+  """The paper's four shapes from a table's rows: success differences paired over (seed, task), S2R's share of
+  real-env RL's real transitions, each ablation against the full system, and the wall-time ratio."""
+  from dreamjax.loop.results import shapes, shapes_table
+
+  def episodes(won: int, n: int = 100) -> list:
+    return [[f"task{i}", i < won, 5] for i in range(n)]
+
+  wins = {"SFT": (50, 50), "GRPO (real env)": (70, 70), "DreamGym GRPO": (66, 68), "DreamGym-S2R GRPO": (75, 77),
+          "DreamGym GRPO w/o replay": (60, 60), "DreamGym GRPO w/o reasoning": (70, 70), "PPO (real env)": (60, 60)}
+  seconds = {"SFT": 100.0, "GRPO (real env)": 3600.0, "DreamGym GRPO": 7200.0, "DreamGym-S2R GRPO": 300.0,
+             "DreamGym GRPO w/o replay": 7000.0, "DreamGym GRPO w/o reasoning": 5000.0, "PPO (real env)": 3600.0}
+  real = {"GRPO (real env)": 16000, "DreamGym-S2R GRPO": 1000, "PPO (real env)": 16000}
+  rows = [{"method": m, "success_rate": sum(w) / 200, "seconds": seconds[m], "real_transitions": real.get(m, 0)}
+          for m, w in wins.items()]
+  outcomes = {m: [(seed, episodes(w)) for seed, w in enumerate(ws)] for m, ws in wins.items()}
+  got = shapes(rows, outcomes)
+  assert [(e["shape"], e["method"]) for e in got] == [
+      ("a", "DreamGym GRPO"), ("b", "DreamGym-S2R GRPO"), ("c", "DreamGym GRPO w/o replay"),
+      ("c", "DreamGym GRPO w/o reasoning"), ("d", "DreamGym GRPO")]  # no DreamGym PPO row: no PPO comparisons
+  a, b, c_replay, c_reasoning, d = got
+  # Paired over 2 seeds x 100 tasks: DreamGym wins 66 + 68 where real-env RL wins 70 + 70, on nested task sets.
+  assert a["episodes"] == 200 and a["gain"] == pytest.approx(-0.03) and a["holds"]  # within 0.05
+  assert a["ci_low"] < a["gain"] < a["ci_high"] <= 0
+  assert b["gain"] == pytest.approx(0.06) and b["real_ratio"] == pytest.approx(1000 / 16000) and b["holds"]
+  assert c_replay["gain"] == pytest.approx(-0.07) and c_replay["holds"]
+  assert c_reasoning["gain"] == pytest.approx(0.03) and not c_reasoning["holds"]  # above the full system
+  assert d["seconds_ratio"] == 2.0 and not d["holds"]
+  assert d["gain_per_hour"] == {"GRPO (real env)": pytest.approx(0.2), "DreamGym GRPO": pytest.approx(0.17 / 2)}
+  # S2R spending more than a tenth of real-env RL's transitions does not hold, however well it scores.
+  rows[3]["real_transitions"] = 2000
+  assert not shapes(rows, outcomes)[1]["holds"]
+  text = shapes_table(got)
+  assert "| (a) | DreamGym within 0.05 of real-env RL" in text and "| DreamGym GRPO - GRPO (real env) | -0.030 [" in text
+  assert "| (d) |" in text and "2.00x the wall time" in text and text.count("| no |") == 2

@@ -16,6 +16,8 @@ The table (results.md, results.json, results.svg) has per method: offline real t
 data: every method starts from the SFT policy trained on it, and DreamGym's M_exp learns from it too), online real transitions spent in training, synthetic transitions,
 held-out success as the mean over seeds with a 95% Wilson interval over all its episodes and the per-seed rates,
 the training wall time (the cost comparison), and for rows trained in an M_exp its held-out fidelity (`exp_columns`).
+Under it, the paper's four result shapes as this table measures them (dreamjax.loop.results.shapes; results.json
+keeps them under `shapes`): each a paired comparison of two rows on the same held-out tasks and seeds.
 data_efficiency.svg is the paper's data-efficiency figure: held-out success against the online real transitions spent,
 for real-env RL, DreamGym and S2R, from the loops' own periodic evaluations pooled over seeds (`efficiency_curve`;
 results.json keeps the points).
@@ -51,7 +53,7 @@ from dreamjax.loop.evaluate import EvalConfig, wilson_interval
 from dreamjax.loop.learner import RLConfig, TaskSpec, as_ppo
 from dreamjax.loop.lock import lock_run_folder
 from dreamjax.loop.plots import data_efficiency, success_bars
-from dreamjax.loop.results import ABLATIONS, ablation_method, budget_text
+from dreamjax.loop.results import ABLATIONS, ablation_method, budget_text, shapes, shapes_table
 from dreamjax.loop.track import TrackConfig, json_dumps, to_json
 from dreamjax.parallel import DistributedConfig, barrier, from_primary, initialize, is_primary
 from dreamjax.rollout.agent import AgentFormat
@@ -273,6 +275,7 @@ def _reproduce(cfg: ReproduceConfig, out: Path) -> dict[str, Any]:
                                        out_dir=str(out / "sft")), out.name, "train-policy", "sft")
   sft = _stage(out / "sft", "summary.json", lambda: train_policy.run(sft_cfg))["checkpoint"]
   rows: list[dict[str, Any]] = []
+  outcomes: dict[str, list[tuple[int, list]]] = {}  # method -> each run's greedy held-out outcomes (`shapes`)
 
   def add_row(method: str, runs: list[tuple[Path, dict[str, Any]]], offline_n: int, budget: dict[str, Any],
               exp: str = "") -> None:
@@ -282,6 +285,7 @@ def _reproduce(cfg: ReproduceConfig, out: Path) -> dict[str, Any]:
     for folder, summary in runs:
       ev = dataclasses.replace(cfg.eval, checkpoint=summary["checkpoint"], out_dir=str(folder / "eval"))
       evals.append(_stage(folder / "eval", "eval.json", lambda ev=ev: eval_run.run(ev)))
+    outcomes[method] = list(enumerate(e["outcomes"] for e in evals))  # runs in seed order: index i is seed i's
     rows.append(row(method, runs, evals, offline_n, budget) | {"exp_model": exp_fidelity.get(exp)})
 
   add_row("SFT", [(out / "sft", {"checkpoint": sft, "seconds": _seconds(out / "sft")})], n_sft,
@@ -346,10 +350,11 @@ def _reproduce(cfg: ReproduceConfig, out: Path) -> dict[str, Any]:
   ablations = {ablation_method(a) for a in cfg.ablations}
   efficiency = {r["method"]: efficiency_curve(r["folders"]) for r in rows
                 if r["budget"]["kind"] == "online" and r["method"] not in ablations}
+  shown = shapes(rows, outcomes)
   result = {"env": cfg.eval.env, "backbone": backbone_name(cfg), "rows": rows, "seeds": list(cfg.seeds),
             "offline_transitions": offline(), "budgets": to_json(budgets), "eval": to_json(cfg.eval.tasks),
-            "efficiency": efficiency, "seconds": time.perf_counter() - t0}
-  text = table(rows, cfg)
+            "efficiency": efficiency, "shapes": shown, "seconds": time.perf_counter() - t0}
+  text = table(rows, cfg) + (f"\n\n{shapes_table(shown)}" if shown else "")
   if is_primary():
     (out / "results.json").write_text(json_dumps(result, indent=1) + "\n")
     (out / "results.md").write_text(text + "\n")
