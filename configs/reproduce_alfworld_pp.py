@@ -14,7 +14,7 @@ Every stage is the testbed's standalone config, so the table's rows are the runs
 Budgets keep the paper's ratios (SFT 1 : DPO 2 : real-env RL 4, S2R 1/16 of real-env RL), with SFT's cap at the
 expert's 6,074 steps, which lead the file: real-env RL may spend 24,400 real transitions (about 24 of the GRPO
 config's iterations), S2R 1,525. PPO rows take verl-agent's PPO (`as_ppo`) on the GRPO config's env, batches and
-policy optimizer, with the critic at 3e-3 as twc's tiny-model PPO (1e-5 barely moves a tiny critic).
+policy optimizer, with twc's critic (3e-3: verl's 1e-5 barely moves a tiny critic).
 
 Run:  dreamjax reproduce --config configs/reproduce_alfworld_pp.py        (CPU, hours; resumes stage by stage)
 Tiny: dreamjax reproduce --config configs/reproduce_alfworld_pp.py:tiny   (every stage at test size)
@@ -26,8 +26,6 @@ from pathlib import Path
 from dreamjax.commands.reproduce import Budgets, ReproduceConfig, at_test_size, on_env
 from dreamjax.config import load_config
 from dreamjax.loop.learner import as_ppo
-from dreamjax.rl.critic import CriticConfig
-from dreamjax.rl.optim import OptimConfig
 
 HERE = Path(__file__).parent
 SFT_CAP = 6100  # the expert's 600 episodes (6,074 steps) lead the collection; the next episode would cross it
@@ -45,13 +43,12 @@ def config() -> ReproduceConfig:
                             max_episode_tokens=r.max_episode_tokens, prompt_buckets=r.prompt_buckets,
                             constrain_actions=r.constrain_actions),
                train=real.train_tasks, held_out=evaluation.tasks)
-  critic = CriticConfig(optim=OptimConfig(lr=3e-3, clip_norm=1.0, weight_decay=0.01), value_clip=0.5)
   return dataclasses.replace(
       cfg,
       collect=load_config(f"{HERE / 'collect_alfworld.py'}:headroom"),
       sft=sft,
       real=real,
-      ppo=as_ppo(real, critic=critic),
+      ppo=as_ppo(real, critic=twc.ppo.critic),
       exp=dataclasses.replace(load_config(str(HERE / "train_exp_alfworld.py")), eval_every=0),
       dreamgym=dataclasses.replace(cfg.dreamgym, rl=dataclasses.replace(real, out_dir=cfg.dreamgym.rl.out_dir)),
       budgets=Budgets(sft=SFT_CAP, dpo=2 * SFT_CAP, real_rl=4 * SFT_CAP, s2r=4 * SFT_CAP // 16),

@@ -27,8 +27,9 @@ from pathlib import Path
 
 from dreamjax.commands.reproduce import Budgets, ReproduceConfig, at_test_size, on_env
 from dreamjax.config import load_config
-from dreamjax.loop.learner import TaskSpec
+from dreamjax.loop.learner import TaskSpec, as_ppo
 from dreamjax.loop.policy_data import PairConfig, RowConfig
+from dreamjax.rl.critic import CriticConfig
 from dreamjax.rl.optim import OptimConfig
 from dreamjax.rollout.agent import AgentFormat
 
@@ -77,6 +78,12 @@ def config() -> ReproduceConfig:
       # configs/train_exp_twc.py (reasoning on, next states as their changed lines), without its periodic checks.
       exp=dataclasses.replace(load_config(f"{HERE / 'train_exp_twc.py'}"), eval_every=0),
       real=real,
+      # PPO rows: verl-agent's PPO (`as_ppo`) on the GRPO settings above, so the two rows differ only by the algorithm,
+      # with the critic at 3e-3 as in the tiny PPO runs (configs/ppo_real_twx.py:tiny; verl's 1e-5 barely moves a
+      # tiny critic). Until the forty-first stop this was left to the twx base's tiny coin PPO (policy lr 1e-3, two
+      # epochs), which the thirty-sixth stop's PPO row ran.
+      ppo=as_ppo(real, critic=CriticConfig(optim=OptimConfig(lr=3e-3, clip_norm=1.0, weight_decay=0.01),
+                                           value_clip=0.5)),
       # DreamGym trains exactly as real-env RL does, in M_exp's episodes. twc is deterministic, so M_exp answers
       # greedy and only a malformed answer is drawn again, at temperature 1, up to 8 times: on the held-out
       # transitions 0.901 exact against 0.845 for sampled answers with 2 resamples (the default), at 0.94x its

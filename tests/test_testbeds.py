@@ -6,12 +6,14 @@ import dataclasses
 
 import pytest
 
+from dreamjax.commands.reproduce import as_algorithm
 from dreamjax.config import load_config
 from dreamjax.data.records import Transition
 from dreamjax.envs.base import Task
 from dreamjax.envs.twx_explorer import reveals
 from dreamjax.experience.fidelity import reveal_mask, score
 from dreamjax.experience.format import ExpFormatConfig, ExpPrediction
+from dreamjax.loop.learner import as_ppo
 
 COIN11 = "numLocations=11, includeDoors=1, numDistractorItems=0"
 
@@ -80,6 +82,10 @@ def test_twc_trains_and_scores_on_disjoint_games_of_one_fold(variant):
   b = cfg.budgets
   assert (b.dpo, b.real_rl, b.s2r * 16) == (2 * b.sft, 4 * b.sft, b.real_rl)
   assert cfg.real.agent == cfg.sft.agent == cfg.dpo.agent == cfg.dreamgym.rl.agent == cfg.eval.agent
+  # The PPO rows run verl-agent's PPO on the GRPO rows' policy optimizer: only the algorithm differs (the twx base's
+  # tiny coin PPO, lr 1e-3 over two epochs, once stood in here unnoticed).
+  ppo = as_algorithm(cfg.real, "ppo", cfg.ppo)
+  assert ppo == as_ppo(cfg.real, critic=cfg.ppo.critic) and ppo.critic.optim.lr == 3e-3
   if not variant:
     expert_episodes = int(cfg.collect.policies[0].split(":")[1])
     assert b.sft >= expert_episodes * 6  # the gold path takes 5.7 steps on average
@@ -219,8 +225,9 @@ def test_alfworld_table_runs_the_testbeds_own_stages(variant):
   assert cfg.dpo.pairs.chosen_policies == ("expert",)
   assert cfg.exp.format.reasoning and cfg.dreamgym.reasoning and "no_reasoning" in cfg.ablations
   assert (cfg.dreamgym.exp_temperature, cfg.dreamgym.exp_retry_temperature) == (0.0, 1.0)
-  # PPO rows: verl-agent's PPO on the GRPO config's policy optimizer; only the algorithm differs.
-  assert cfg.ppo.algorithm == "ppo" and cfg.ppo.optim == cfg.real.optim and cfg.ppo.critic.mode == "separate"
+  # PPO rows: verl-agent's PPO on the GRPO config's policy optimizer with twc's critic; only the algorithm differs.
+  twc_critic = load_config(f"configs/reproduce_twc.py{variant}").ppo.critic
+  assert as_algorithm(cfg.real, "ppo", cfg.ppo) == as_ppo(cfg.real, critic=twc_critic)
   b = cfg.budgets
   assert (b.dpo, b.real_rl, b.s2r * 16) == (2 * b.sft, 4 * b.sft, b.real_rl)
   if not variant:
