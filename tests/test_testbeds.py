@@ -9,6 +9,7 @@ import pytest
 from dreamjax.commands.reproduce import as_algorithm
 from dreamjax.config import load_config
 from dreamjax.data.records import Transition
+from dreamjax.envs.alfworld import reveals as reveals_alfworld
 from dreamjax.envs.base import Task
 from dreamjax.envs.twx_explorer import reveals
 from dreamjax.experience.fidelity import reveal_mask, score
@@ -153,8 +154,9 @@ def test_exact_match_is_split_by_what_the_prompt_determines():
   assert reveal_mask(truths, ExpFormatConfig(max_history=2)) == [False, True, False]
   assert reveal_mask(truths, ExpFormatConfig(max_history=1)) == [False, True, True]
   assert reveal_mask(truths, ExpFormatConfig(history=False)) == [True, True, True]
-  other = dataclasses.replace(truths[0], task=Task.make("alfworld", "x"))
+  other = dataclasses.replace(truths[0], task=Task.make("miniwob", "x"))
   assert reveal_mask([other], ExpFormatConfig()) is None  # no reader of this env's states
+  assert reveal_mask([other, truths[0]], ExpFormatConfig()) is None  # nor of two envs' transitions together
   right, wrong = ExpPrediction(pantry, 0.0, False, False, "", True, ""), ExpPrediction(kitchen, 0.0, False, False, "",
                                                                                       True, "")
   m = score(truths, [right, wrong, wrong], reveal=[False, True, False])
@@ -164,6 +166,27 @@ def test_exact_match_is_split_by_what_the_prompt_determines():
   assert "reveal_fraction" not in score(truths, [right] * 3)
   with pytest.raises(ValueError, match="3 transitions but 1 reveal flags"):
     score(truths, [right] * 3, reveal=[False])
+
+
+def _alf(location: str, seen: str, held: str = "nothing") -> str:
+  return f"Location: {location}\nYou see: {seen}\nInventory: {held}\nFeedback: You arrive at {location}."
+
+
+def test_alfworld_reveals_objects_no_shown_state_lists():
+  """ALFWorld hides what a receptacle holds until the agent goes there or opens it: a next state that lists an object
+  no state of the prompt lists is not determined by the prompt (`reveal_mask` scores it apart)."""
+  room = _alf("middle of the room", "cabinet 1, countertop 1")
+  counter = _alf("countertop 1", "apple 1, cloth 2")
+  assert reveals_alfworld([room], counter)  # the countertop's objects: in no earlier state
+  assert not reveals_alfworld([counter, room], counter)  # back where the history has been
+  assert not reveals_alfworld([counter], _alf("countertop 1", "cloth 2", held="apple 1"))  # taken: known
+  assert not reveals_alfworld([counter], _alf("cabinet 1", "nothing"))  # an empty receptacle shows nothing new
+  assert reveals_alfworld([counter], _alf("cabinet 1", "mug 1"))
+  task = Task.make("alfworld", "pick_and_place_simple/train/0")
+  t = Transition("e", 1, task, "", room, "go to countertop 1", counter, 0.0, False, False, False,
+                 history=((counter, "go to cabinet 1"),))
+  assert reveal_mask([t], ExpFormatConfig(max_history=1)) == [False]
+  assert reveal_mask([t], ExpFormatConfig(history=False)) == [True]
 
 
 def test_alfworld_candidate_stages_share_one_setup_and_learn_from_observable_play():

@@ -170,6 +170,18 @@ def state_fields(state: str) -> dict[str, str]:
 # Experts
 
 
+def reveals(shown: Sequence[str], next_state: str) -> bool:
+  """Whether `next_state` lists an object (in view or held) that none of the `shown` states (what a model was given:
+  the history and the current state) lists. What a receptacle holds is in the game's hidden layout until the agent
+  goes there or opens it, so no model predicts such a state exactly from its prompt; `dreamjax.experience.fidelity`
+  scores these transitions apart from those the prompt determines."""
+  def objects(state: str) -> set[str]:
+    fields = state_fields(state)
+    return {o for key in ("You see", "Inventory") for o in fields.get(key, "").split(", ") if o and o != "nothing"}
+
+  return not objects(next_state) <= set().union(*map(objects, shown))
+
+
 class _HandCoded:
   """ALFWorld's HandCodedTWAgent fed as its AlfredExpert wrapper feeds it, with its own random generator.
 

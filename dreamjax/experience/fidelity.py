@@ -54,7 +54,7 @@ import numpy as np
 from dreamjax.parallel.distributed import to_host
 from dreamjax.data.records import TrajectoryRecord, Transition, transitions
 from dreamjax.envs.base import ENV_ERROR, Env, env_failed
-from dreamjax.envs.twx_explorer import reveals
+from dreamjax.envs import alfworld, twx_explorer
 from dreamjax.experience.annotate import Annotation
 from dreamjax.experience.format import ExpFormatConfig, ExpPrediction, action_lists, parse_output, transition_target
 from dreamjax.experience.sft_data import NEXT_STATE, REASONING, REGION_NAMES, ExampleBuilder, ExpExample, retrieve
@@ -193,14 +193,19 @@ def _set_f1(predicted: Sequence[str], true: Sequence[str]) -> float:
   return 2 * common / (len(p) + len(t))
 
 
+# The envs whose states say what a step reveals: TextWorld-Express (a room not seen yet) and ALFWorld (an object no
+# shown state lists: a receptacle's contents, seen on arriving or opening it).
+REVEALS = {"textworld_express": twx_explorer.reveals, "alfworld": alfworld.reveals}
+
+
 def reveal_mask(truths: Sequence[Transition], fmt: ExpFormatConfig) -> list[bool] | None:
   """Per transition, whether its real next state reveals what the prompt's states (the current one and the history
-  `fmt` shows) do not (`dreamjax.envs.twx_explorer.reveals`: a room not seen yet); None unless every transition is
-  TextWorld-Express's, the only env with such a reader. The history counted is the last `fmt.max_history` steps, an
-  upper bound on what a prompt cut to its length budget shows."""
-  if not truths or any(t.task.env != "textworld_express" for t in truths):
+  `fmt` shows) do not (`REVEALS`); None unless every transition is of one env with such a reader. The history counted
+  is the last `fmt.max_history` steps, an upper bound on what a prompt cut to its length budget shows."""
+  envs = {t.task.env for t in truths}
+  if len(envs) != 1 or not envs <= REVEALS.keys():
     return None
-  depth = fmt.max_history if fmt.history else 0
+  reveals, depth = REVEALS[envs.pop()], fmt.max_history if fmt.history else 0
   return [reveals([s for s, _ in (t.history[-depth:] if depth else ())] + [t.state], t.next_state)
           for t in truths]
 
