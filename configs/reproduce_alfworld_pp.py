@@ -59,6 +59,7 @@ def config() -> ReproduceConfig:
 def tiny() -> ReproduceConfig:
   """Every stage of `config()` at test size: it checks that the stages fit together, not what they measure."""
   cfg = at_test_size(config(), policies=("expert:8", "eps0.3:4", "random:4"), out_dir="runs/reproduce/alfworld_pp_tiny")
+  # The envs in this process, as configs/grpo_real_alfworld.py:tiny: two tasks do not pay for starting a worker pool.
   return dataclasses.replace(cfg, real=dataclasses.replace(cfg.real, num_workers=0),
                              dreamgym=dataclasses.replace(cfg.dreamgym, rl=dataclasses.replace(cfg.dreamgym.rl,
                                                                                                num_workers=0)))
