@@ -83,6 +83,25 @@ def test_a_step_loop_checkpoints_and_stops_on_sigterm_but_finishes_its_last_step
     assert run.resume == 3 and run.meta == {"step": 3}
 
 
+def test_a_resumed_run_counts_the_seconds_of_the_processes_before_it(tmp_path):
+  """A run's "seconds" (the tables' training cost) once counted only the last process of a resumed run. Each
+  checkpoint now records the run's elapsed seconds, and a resumed run adds its own to them; the gap between the
+  processes is not counted."""
+  from dreamjax.loop.track import TrackConfig
+
+  start = time.perf_counter()
+  with RunFolder(None, tmp_path / "run", keep=2) as run, run.tracker(TrackConfig(progress=False)) as tracker:
+    time.sleep(0.3)
+    run.save(1, {"x": np.arange(3)}, {"step": 1}, tracker)
+  first = time.perf_counter() - start
+  time.sleep(0.5)  # between the processes
+  start = time.perf_counter()
+  with RunFolder(None, tmp_path / "run", keep=2) as run:
+    before, now = run.meta["seconds"], run.elapsed()
+    assert run.resume == 1 and 0.3 <= before <= first
+    assert before <= now <= before + time.perf_counter() - start  # the gap is not counted
+
+
 def test_the_cli_exits_75_when_a_run_is_preempted(monkeypatch, capsys):
   import dreamjax.commands.rl as rl
 

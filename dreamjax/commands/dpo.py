@@ -161,13 +161,12 @@ def run(cfg: DpoConfig, env=None) -> dict[str, Any]:
 
 
 def _run(cfg: DpoConfig, env) -> dict[str, Any]:
-  t_start = time.perf_counter()
   run_folder = RunFolder(cfg, cfg.out_dir, cfg.keep_checkpoints, checkpoint_folder(cfg))
   with run_folder, run_folder.tracker(cfg.track) as tracker:
-    return _train(cfg, env, run_folder, tracker, t_start)
+    return _train(cfg, env, run_folder, tracker)
 
 
-def _train(cfg: DpoConfig, env, run: RunFolder, tracker: Tracker, t_start: float) -> dict[str, Any]:
+def _train(cfg: DpoConfig, env, run: RunFolder, tracker: Tracker) -> dict[str, Any]:
   out = run.out
   mesh = run_mesh(cfg)
   records = read_trajectory_files(cfg.data, "DpoConfig.data", max_transitions=cfg.data_transitions)
@@ -251,7 +250,7 @@ def _train(cfg: DpoConfig, env, run: RunFolder, tracker: Tracker, t_start: float
       **{f"first_{k}": first[k] for k in ("loss", "margin", "reward_accuracy")},
       **{f"final_{k}": last[k] for k in ("loss", "margin", "reward_accuracy")},
       "train_seconds": round(train_s, 3), "eval": evals[-1]["result"], "eval_history": evals,
-      "seconds": round(time.perf_counter() - t_start, 3), "resumed_from": run.resume,
+      "seconds": round(run.elapsed(), 3), "resumed_from": run.resume,
   }
   tracker.summary(summary)
   echo(format_summary(summary))

@@ -250,13 +250,12 @@ def run(cfg: ExpSftConfig) -> dict[str, Any]:
 
 
 def _run(cfg: ExpSftConfig) -> dict[str, Any]:
-  t0 = time.perf_counter()
   run_folder = RunFolder(cfg, cfg.out_dir, cfg.keep_checkpoints, checkpoint_folder(cfg))
   with run_folder, run_folder.tracker(cfg.track) as tracker:
-    return _train(cfg, run_folder, tracker, t0)
+    return _train(cfg, run_folder, tracker)
 
 
-def _train(cfg: ExpSftConfig, run: RunFolder, tracker: Tracker, t0: float) -> dict[str, Any]:
+def _train(cfg: ExpSftConfig, run: RunFolder, tracker: Tracker) -> dict[str, Any]:
   out = run.out
   records = read_trajectory_files(cfg.trajectories, "ExpSftConfig.trajectories", cfg.max_episodes)
   by_file = {path: read_annotations(path) for path in cfg.annotations}
@@ -360,7 +359,7 @@ def _train(cfg: ExpSftConfig, run: RunFolder, tracker: Tracker, t0: float) -> di
       "data": data.stats, "held_out_episodes": sorted(r.episode_id for r in data.held_out_records),
       "held_out_tasks": sorted({r.task.task_id for r in data.held_out_records}),
       "final_train_loss": history[-1].get("loss") if history else None, "held_out_fidelity": final,
-      "max_new_tokens": max_new, "seconds": round(time.perf_counter() - t0, 1),
+      "max_new_tokens": max_new, "seconds": round(run.elapsed(), 1),
       "train_seconds": round(time.perf_counter() - t_train, 1), "compilations": step_fn.compilations(),
       "skipped_updates": skips.total, "resumed_from": run.resume,
   }

@@ -155,13 +155,12 @@ def run(cfg: PolicySftConfig, env: BatchEnv | None = None) -> dict[str, Any]:
 
 
 def _run(cfg: PolicySftConfig, env: BatchEnv | None) -> dict[str, Any]:
-  t_start = time.perf_counter()
   run_folder = RunFolder(cfg, cfg.out_dir, cfg.keep_checkpoints, checkpoint_folder(cfg))
   with run_folder, run_folder.tracker(cfg.track) as tracker:
-    return _train(cfg, env, run_folder, tracker, t_start)
+    return _train(cfg, env, run_folder, tracker)
 
 
-def _train(cfg: PolicySftConfig, env: BatchEnv | None, run: RunFolder, tracker: Tracker, t_start: float
+def _train(cfg: PolicySftConfig, env: BatchEnv | None, run: RunFolder, tracker: Tracker
            ) -> dict[str, Any]:
   out = run.out
   mesh = run_mesh(cfg)
@@ -240,7 +239,7 @@ def _train(cfg: PolicySftConfig, env: BatchEnv | None, run: RunFolder, tracker: 
       "epochs": round(step / steps_per_epoch, 3), "row_length": length, "compilations": step_fn.compilations(),
       "skipped_updates": skips.total, "first_loss": history[0]["loss"], "final_loss": history[-1]["loss"],
       "train_seconds": round(train_s, 3),
-      "eval": evals[-1]["result"], "eval_history": evals, "seconds": round(time.perf_counter() - t_start, 3),
+      "eval": evals[-1]["result"], "eval_history": evals, "seconds": round(run.elapsed(), 3),
       "resumed_from": run.resume,
   }
   tracker.summary(summary)

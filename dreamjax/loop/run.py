@@ -131,7 +131,7 @@ class RunFolder:
   resuming and checkpointing a step loop."""
 
   def __init__(self, config: Any, out_dir: str | Path, keep: int | None, checkpoints: str | Path | None = None):
-    self.config, self.out = config, Path(out_dir)
+    self.config, self.out, self._opened = config, Path(out_dir), time.perf_counter()
     # Before the checkpointer opens the folder (it removes unfinished steps) and before any file is written: a second
     # run on this folder is refused here.
     self.lock = lock_run_folder(self.out)
@@ -147,6 +147,11 @@ class RunFolder:
     except BaseException:  # an unreadable checkpoints folder: release the folder for the next try
       self.close()
       raise
+
+  def elapsed(self) -> float:
+    """The run's wall seconds: those its checkpoint recorded for the processes before this one (the gaps between them
+    are not counted) plus this one's since the folder opened. A summary's "seconds" (the tables' training cost)."""
+    return float(self.meta.get("seconds", 0.0)) + time.perf_counter() - self._opened
 
   def check_last(self, last: int, name: str) -> None:
     """Refuses a checkpoint past the run's end (`last` steps, which the setting `name` decides)."""
@@ -177,7 +182,8 @@ class RunFolder:
 
   def save(self, step: int, arrays: Any, meta: dict[str, Any], tracker: Tracker) -> None:
     """Starts saving checkpoint `step`: `arrays`, and `meta` with the tracker's run id and the config."""
-    self.ckpt.save(step, arrays, {**meta, "tracker_run_id": tracker.run_id, "config": to_json(self.config)})
+    self.ckpt.save(step, arrays, {**meta, "tracker_run_id": tracker.run_id, "config": to_json(self.config),
+                                  "seconds": self.elapsed()})
 
   def resume_step_loop(self, state: Any, skips: SkipCounter, last: int) -> tuple[Any, int, list, list]:
     """(TrainState, step, logged rows, evaluations) a step loop of `last` steps starts from (policy SFT, DPO): the
@@ -244,7 +250,7 @@ def run_iterations(run: Run, learner: PolicyLearner, tasks: TaskSource, env: Bat
                    eval_tasks: Sequence[Task], model_folder: Path, hooks: Sequence[Hook] = ()) -> dict[str, Any]:
   """Trains for `run.cfg.iterations` iterations (resuming where the run's checkpoint ended), evaluates, checkpoints,
   saves the final policy; returns the summary (also summary.json)."""
-  cfg, out, start = run.cfg, run.out, time.perf_counter()
+  cfg, out = run.cfg, run.out
   kind = "synthetic_transitions" if getattr(env, "synthetic", False) else "real_transitions"
   counts = {"real_transitions": 0, "synthetic_transitions": 0}
   evals: list[dict[str, Any]] = []
@@ -337,7 +343,7 @@ def run_iterations(run: Run, learner: PolicyLearner, tasks: TaskSource, env: Bat
                "evals": evals}
     for hook in hooks:
       summary |= hook.finish(out)
-    summary |= {"seconds": time.perf_counter() - start, "checkpoint": str(exported), "resumed_from": run.resume,
+    summary |= {"seconds": run.elapsed(), "checkpoint": str(exported), "resumed_from": run.resume,
                 "run_id": tracker.run_id}
     tracker.summary(summary)
     plots()
