@@ -5,12 +5,14 @@ every finished stage."""
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from dreamjax.cli import main
 from dreamjax.config import load_config
+from tools import bank_run
 
 pytest.importorskip("textworld_express")
 
@@ -75,6 +77,16 @@ def test_reproduce_runs_every_stage_writes_the_table_and_resumes(tmp_path, capsy
   stamps = {p: p.stat().st_mtime_ns for p in out.rglob("summary.json")}
   assert main(args) == 0
   assert {p: p.stat().st_mtime_ns for p in out.rglob("summary.json")} == stamps
+  assert json.loads((out / "results.json").read_text())["rows"] == result["rows"]
+  # A bank of the finished table (tools/bank_run.py), restored on a machine without the run folder, resumes it the
+  # same way: every stage reused, the same rows.
+  bank = Path(f"{tmp_path}_bank")
+  assert bank_run.main(["save", str(out), str(bank)]) == 0
+  shutil.rmtree(out)
+  assert bank_run.main(["restore", str(bank), str(out)]) == 0
+  capsys.readouterr()
+  assert main(args) == 0
+  assert "== " not in capsys.readouterr().out  # no stage ran
   assert json.loads((out / "results.json").read_text())["rows"] == result["rows"]
 
 
