@@ -51,7 +51,8 @@ def config() -> ReproduceConfig:
       ppo=as_ppo(real, critic=twc.ppo.critic),
       exp=dataclasses.replace(load_config(str(HERE / "train_exp_alfworld.py")), eval_every=0),
       dreamgym=dataclasses.replace(cfg.dreamgym, rl=dataclasses.replace(real, out_dir=cfg.dreamgym.rl.out_dir)),
-      budgets=Budgets(sft=SFT_CAP, dpo=2 * SFT_CAP, real_rl=4 * SFT_CAP, s2r=4 * SFT_CAP // 16),
+      budgets=Budgets(sft=SFT_CAP, dpo=2 * SFT_CAP, real_rl=4 * SFT_CAP, s2r=4 * SFT_CAP // 16,
+                      synthetic_rl=4 * SFT_CAP),
       eval=dataclasses.replace(evaluation, out_dir=cfg.eval.out_dir),
   )
 

@@ -91,7 +91,9 @@ def config() -> ReproduceConfig:
       dreamgym=dataclasses.replace(cfg.dreamgym, reasoning=True, exp_temperature=0.0, exp_retry_temperature=1.0,
                                    exp_retries=8, rl=dataclasses.replace(real, out_dir=cfg.dreamgym.rl.out_dir)),
       ablations=("no_replay", "no_reasoning", "no_task_generation", "no_curriculum"),
-      budgets=Budgets(sft=4000, dpo=8000, real_rl=16000, s2r=1000),
+      # DreamGym spends as many synthetic transitions as real-env RL spends real ones (about 19 of the 30
+      # iterations): the same experience in the same number of updates. Until the forty-second stop it ran all 30.
+      budgets=Budgets(sft=4000, dpo=8000, real_rl=16000, s2r=1000, synthetic_rl=16000),
       eval=dataclasses.replace(cfg.eval, batch=40, sampled=True),
   )
 

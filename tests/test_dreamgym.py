@@ -156,6 +156,19 @@ def _rows(path: Path) -> list[dict]:
   return [strip(json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
+def test_a_synthetic_transition_budget_is_spent_exactly(parts, uninterrupted, tmp_path):
+  """Capped one transition past the uninterrupted run's first iteration, the second iteration steps M_exp once and
+  the run stops there, as a real-env run stops at `max_real_transitions` (the tables give DreamGym real-env RL's
+  budget, `Budgets.synthetic_rl`)."""
+  _, summary_whole = uninterrupted
+  first = summary_whole["evals"][1]["synthetic_transitions"]
+  summary = run(_config(parts, tmp_path, rl=dict(iterations=3, max_synthetic_transitions=first + 1)))
+  rows = [m for m in read_metrics(tmp_path / "metrics.jsonl") if "rollout_success" in m]
+  assert summary["synthetic_transitions"] == first + 1 == rows[-1]["synthetic_transitions"]
+  assert summary["iterations"] == len(rows) == 2 and summary["real_transitions"] == 0
+  assert rows[-1]["budget_cut_episodes"] > 0
+
+
 def test_a_run_resumed_after_a_crash_equals_the_uninterrupted_run(parts, uninterrupted, tmp_path):
   """Two iterations, then the leftovers of a crash inside the third (its episodes written back, its metrics row
   logged, no checkpoint), then the same config to three iterations: the run rewinds to its checkpoint and ends equal

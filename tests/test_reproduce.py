@@ -222,6 +222,10 @@ def test_budgets_keep_the_papers_ratios():
   assert small.dpo == 2 * small.sft and small.real_rl == 4 * small.sft and small.real_rl == 16 * small.s2r
   with pytest.raises(ValueError, match="budgets.s2r must be >= 0"):
     load_config("configs/reproduce_twx.py:tiny", ["budgets.s2r=-1"])
+  # The testbeds give DreamGym as many synthetic transitions as real-env RL spends real ones (shape (a)).
+  for name in ("reproduce_twc.py", "reproduce_alfworld_pp.py", "reproduce_twc.py:tiny"):
+    budgets = load_config(f"configs/{name}").budgets
+    assert budgets.synthetic_rl == budgets.real_rl > 0, name
 
 
 def test_ppo_rows_take_the_ppo_configs_own_settings():

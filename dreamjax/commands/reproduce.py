@@ -60,15 +60,19 @@ from dreamjax.rollout.agent import AgentFormat
 
 @dataclasses.dataclass(frozen=True)
 class Budgets:
-  """Real transitions each method may use; 0: no cap. The paper's (Table 1): SFT 20K offline, DPO 40K offline,
-  real-env RL 80K online, DreamGym-S2R 5K online, DreamGym 0 online. Offline caps take whole episodes of the collected
-  data in file order (`read_trajectory_files`); online caps are exact: the run's last iteration is cut to what
-  remains (`RLConfig.max_real_transitions`)."""
+  """Real transitions each method may use, and DreamGym's synthetic ones; 0: no cap. The paper's (Table 1): SFT 20K
+  offline, DPO 40K offline, real-env RL 80K online, DreamGym-S2R 5K online, DreamGym 0 online (its synthetic count is
+  not reported). Offline caps take whole episodes of the collected data in file order (`read_trajectory_files`);
+  online caps are exact: the run's last iteration is cut to what remains (`RLConfig.max_real_transitions`,
+  `max_synthetic_transitions`)."""
 
   sft: int = 0  # offline: the SFT policy's demonstrations, everyone's warm start
   dpo: int = 0  # offline: DPO's preference pairs
   real_rl: int = 0  # online: real-env PPO/GRPO
   s2r: int = 0  # online: DreamGym-S2R's real-env phase; 0: no S2R rows
+  # DreamGym's synthetic transitions, every DreamGym row and ablation (0: its iterations decide). Set to real_rl so
+  # that the DreamGym and real-env rows learn from as many transitions: the comparison shape (a) makes.
+  synthetic_rl: int = 0
 
   def __post_init__(self):
     bad = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) < 0]
@@ -190,7 +194,7 @@ def at_test_size(cfg: ReproduceConfig, *, policies: tuple[str, ...], out_dir: st
       real=rl(cfg.real),
       dreamgym=dataclasses.replace(cfg.dreamgym, rl=rl(cfg.dreamgym.rl)),
       ablations=("no_reasoning",),
-      budgets=Budgets(sft=100, dpo=200, real_rl=400, s2r=25),
+      budgets=Budgets(sft=100, dpo=200, real_rl=400, s2r=25, synthetic_rl=400),
       eval=dataclasses.replace(cfg.eval, tasks=dataclasses.replace(cfg.eval.tasks, count=8)),
       seeds=(0,),
       out_dir=out_dir,
@@ -323,7 +327,7 @@ def _reproduce(cfg: ReproduceConfig, out: Path) -> dict[str, Any]:
   def dream(alg: str, s: int, folder: Path, exp: str, **kw) -> DreamGymConfig:
     d = cfg.dreamgym
     rl = dataclasses.replace(as_algorithm(d.rl, alg, cfg.ppo), model=dataclasses.replace(d.rl.model, checkpoint=sft),
-                             seed=s)
+                             seed=s, max_synthetic_transitions=budgets.synthetic_rl)
     return dataclasses.replace(d, rl=rl, exp_model=exp, offline_data=(str(data),), out_dir=str(folder), **kw)
 
   if cfg.dreamgym is not None:

@@ -156,6 +156,9 @@ class RLConfig(RunConfig):
   # Real transitions the run may spend in training (DreamGym-S2R's budget, real-env RL's); 0: no budget. Exact: the
   # iteration that reaches it steps only what is left, and the run stops there.
   max_real_transitions: int = 0
+  # The same for synthetic transitions, when the env is M_exp (DreamGym): the reproduce tables give DreamGym as many
+  # transitions as real-env RL, so the two rows learn from the same amount of experience.
+  max_synthetic_transitions: int = 0
   checkpoint_every: int = 10  # iterations between checkpoints (also after the last); 0: only after the last
   keep_checkpoints: int = 3  # the last N checkpoints are kept
   # Optimizer steps skipped in a row for a non-finite loss or gradient before the run stops with an error.
@@ -183,8 +186,10 @@ class RLConfig(RunConfig):
                  "iterations", "max_nonfinite_updates"):
       if getattr(self, name) < 1:
         raise ValueError(f"RLConfig.{name} must be >= 1, got {getattr(self, name)}")
-    if min(self.eval_every, self.eval_batch, self.checkpoint_every, self.max_real_transitions) < 0:
-      raise ValueError("RLConfig: eval_every, eval_batch, checkpoint_every and max_real_transitions must be >= 0")
+    if min(self.eval_every, self.eval_batch, self.checkpoint_every, self.max_real_transitions,
+           self.max_synthetic_transitions) < 0:
+      raise ValueError("RLConfig: eval_every, eval_batch, checkpoint_every, max_real_transitions and "
+                       "max_synthetic_transitions must be >= 0")
     if self.keep_checkpoints < 1:
       raise ValueError(f"RLConfig.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
     if self.rows_per_step % self.micro_batches:

@@ -7,8 +7,9 @@ write-back, curriculum update, task generation), whose metrics join the learner'
 counted as synthetic transitions when the env says it is synthetic (`env.synthetic`, SyntheticEnv) and as real ones
 otherwise, so nothing zeroes a counter after the fact. Every `eval_every` iterations (and before the first and after
 the last) the policy is evaluated greedily on held-out tasks of `eval_env`, always a real env, with the transitions
-spent so far; `max_real_transitions` is an exact budget for a real env: the iteration that would pass it steps only
-what is left (`RolloutEngine.run`'s `max_env_steps`; cut episodes are left out of the update) and the run stops there.
+spent so far; `max_real_transitions` is an exact budget for a real env (`max_synthetic_transitions` for M_exp): the
+iteration that would pass it steps only what is left (`RolloutEngine.run`'s `max_env_steps`; cut episodes are left out
+of the update) and the run stops there.
 
 Outputs in `out_dir`: config.json, metrics.jsonl (one row per iteration), evals.jsonl (each evaluation with per-task
 outcomes), summary.json, learning_curve.svg (held-out success against iterations and transitions), metrics.svg
@@ -301,8 +302,10 @@ def run_iterations(run: Run, learner: PolicyLearner, tasks: TaskSource, env: Bat
       run.save(iteration, _arrays(learner, hooks), meta, tracker)
       plots()
 
+    budget = cfg.max_real_transitions if kind == "real_transitions" else cfg.max_synthetic_transitions
+
     def spent() -> bool:
-      return bool(cfg.max_real_transitions) and counts["real_transitions"] >= cfg.max_real_transitions
+      return bool(budget) and counts[kind] >= budget
 
     if run.resume is None:
       do_eval(0)
@@ -315,8 +318,7 @@ def run_iterations(run: Run, learner: PolicyLearner, tasks: TaskSource, env: Bat
         last = it + 1
         for hook in hooks:
           hook.before_iteration(it)
-        left = cfg.max_real_transitions - counts["real_transitions"] if cfg.max_real_transitions and \
-            kind == "real_transitions" else 0
+        left = budget - counts[kind] if budget else 0
         metrics, traj = learner.iteration(env, tasks.draw(it), it, max_env_steps=left)
         counts[kind] += metrics["env_steps"]
         for hook in hooks:
