@@ -29,7 +29,7 @@ def _stage(run: Path, name: str, finished: bool, steps: tuple[int, ...] = (), co
   _write(folder / "metrics.jsonl", '{"step": 1}\n')
   _write(folder / ".lock", "pid")
   _write(folder / "compile_cache" / "jit_step-cache", os.urandom(100))
-  _model(folder / "init_model")
+  _model(folder / ("init" if name == "exp_model" else "init_model"))  # train-exp names its initial model init/
   for step in steps:
     _write(folder / "checkpoints" / str(step) / "state" / "data", os.urandom(200))
     if step in committed:
@@ -70,6 +70,7 @@ def test_a_bank_keeps_results_and_the_models_later_stages_start_from(run, tmp_pa
     assert f"{name}/model/model.safetensors" not in kept and f"{name}/eval/eval.json" in kept, name
   for name in ("sft", "dpo"):  # a finished stage's resumable state and initial model are not needed again
     assert not any(k.startswith((f"{name}/checkpoints/", f"{name}/init_model/")) for k in kept), name
+  assert not any(k.startswith("exp_model/init/") for k in kept)
   assert not any("compile_cache" in k or k.endswith(".lock") or k.startswith("wandb/") for k in kept)
   assert not any(k.startswith("real_grpo/") for k in kept)  # unfinished: it starts again, its logs with it
   assert {"config.json", "data/summary.json", "data/trajectories.jsonl", "sft/summary.json", "sft/metrics.jsonl"} <= kept

@@ -10,10 +10,11 @@ a finished stage besides its small files: the final model a later stage starts f
 - every file of the run folder but the ones below, files over 256 KiB xz-compressed (the collected trajectories:
   8.7 MB, 0.2 MB compressed);
 - the final model (summary.json's "checkpoint") of each finished stage a later stage starts from (KEEP_MODELS: the SFT
-  policy, M_exp, the DreamGym policies S2R continues), not those of the rows whose evaluation is all that is left;
+  policy, M_exp, the DreamGym policies S2R continues), not those of the rows whose evaluation is all that is left,
+  nor a finished stage's initial model;
 - with --unfinished, each unfinished stage's files, its newest committed checkpoint step and its initial model among
   them, so the stage resumes from there; without it an unfinished stage is left out whole and starts again.
-Left out: compilation caches, run locks, W&B folders, the orbax checkpoints and initial models of finished stages.
+Left out: compilation caches, run locks, W&B folders, the orbax checkpoints of finished stages.
 
 MANIFEST.json lists every banked file with its size and sha256 (of the uncompressed bytes). `save` replaces the bank's
 contents; `restore` checks every file against the manifest, refuses to overwrite a file of the run folder that differs
@@ -73,11 +74,11 @@ def plan(run: Path, unfinished: bool) -> list[Path]:
   kept: list[Path] = []  # folders inside dropped ones that are kept (an unfinished stage's newest step)
   for folder, summary in stages.items():
     name = folder.relative_to(run).as_posix()
-    if summary is not None:
-      dropped += [folder / "checkpoints", folder / "init_model"]
-      model = Path(summary.get("checkpoint", ""))
-      if summary.get("checkpoint") and not any(fnmatch.fnmatch(name, p) for p in KEEP_MODELS):
-        dropped.append(model.resolve())
+    if summary is not None:  # its orbax checkpoints, and every model folder but the final one a later stage reads
+      final = Path(summary["checkpoint"]).resolve() if summary.get("checkpoint") else None
+      keep = final if any(fnmatch.fnmatch(name, p) for p in KEEP_MODELS) else None
+      dropped.append(folder / "checkpoints")
+      dropped += [m.parent for m in folder.rglob("tokenizer_config.json") if m.parent.resolve() != keep]
     elif not unfinished:
       dropped.append(folder)  # its logs would start a rerun from scratch halfway through
     elif (folder / "checkpoints").is_dir():
