@@ -5,8 +5,8 @@ it, so that a job longer than a machine's life goes on where it stopped on the n
   python tools/bank_run.py restore experiments/banks/twc runs/reproduce/twc
   dreamjax reproduce --config configs/reproduce_twc.py        # reuses every stage the bank finished
 
-`dreamjax reproduce` reuses a stage whose summary.json (eval.json for an evaluation) exists and reads only two things of
-a finished stage besides its small files: the final model a later stage starts from, and nothing else. So a bank holds:
+`dreamjax reproduce` reuses a stage whose summary.json (eval.json for an evaluation) exists, and of a finished stage it
+reads nothing but its small files and the final model a later stage starts from. So a bank holds:
 - every file of the run folder but the ones below, files over 256 KiB xz-compressed (the collected trajectories:
   8.7 MB, 0.2 MB compressed);
 - the final model (summary.json's "checkpoint") of each finished stage a later stage starts from (KEEP_MODELS: the SFT
