@@ -36,6 +36,8 @@ def _stage(run: Path, name: str, finished: bool, steps: tuple[int, ...] = (), co
       _write(folder / "checkpoints" / str(step) / "commit_success.txt", "ok")
   if finished:
     _model(folder / "model")
+    if name == "exp_model":  # M_exp's retrieval embeds with its initial model's backbone (train-exp's exp_model.json)
+      _write(folder / "model" / "exp_model.json", json.dumps({"encoder_folder": str(folder / "init")}))
     _write(folder / "summary.json", json.dumps({"checkpoint": str(folder / "model"), "seconds": 12.5}))
     _write(folder / "eval" / "eval.json", json.dumps({"success_rate": 0.5}))
   return folder
@@ -70,7 +72,8 @@ def test_a_bank_keeps_results_and_the_models_later_stages_start_from(run, tmp_pa
     assert f"{name}/model/model.safetensors" not in kept and f"{name}/eval/eval.json" in kept, name
   for name in ("sft", "dpo"):  # a finished stage's resumable state and initial model are not needed again
     assert not any(k.startswith((f"{name}/checkpoints/", f"{name}/init_model/")) for k in kept), name
-  assert not any(k.startswith("exp_model/init/") for k in kept)
+  # ...but for M_exp's, which embeds the replay retrieval every DreamGym row runs with.
+  assert {"exp_model/init/model.safetensors", "exp_model/init/tokenizer_config.json"} <= kept
   assert not any("compile_cache" in k or k.endswith(".lock") or k.startswith("wandb/") for k in kept)
   assert not any(k.startswith("real_grpo/") for k in kept)  # unfinished: it starts again, its logs with it
   assert {"config.json", "data/summary.json", "data/trajectories.jsonl", "sft/summary.json", "sft/metrics.jsonl"} <= kept

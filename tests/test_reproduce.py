@@ -88,6 +88,16 @@ def test_reproduce_runs_every_stage_writes_the_table_and_resumes(tmp_path, capsy
   assert main(args) == 0
   assert "== " not in capsys.readouterr().out  # no stage ran
   assert json.loads((out / "results.json").read_text())["rows"] == result["rows"]
+  # A bank taken before the DreamGym rows ran: they train in the banked M_exp, whose replay retrieval embeds with its
+  # initial model's backbone (the demo's M_exp retrieves with it), so the bank must hold that model too.
+  for row in ("dreamgym_grpo", "s2r_grpo"):
+    shutil.rmtree(out / row)
+  assert bank_run.main(["save", str(out), str(bank)]) == 0
+  shutil.rmtree(out)
+  assert bank_run.main(["restore", str(bank), str(out)]) == 0
+  assert main(args) == 0
+  ran = capsys.readouterr().out
+  assert f"== {out / 'dreamgym_grpo' / 'seed0'}" in ran and f"== {out / 'exp_model'}" not in ran
 
 
 def test_reproduce_config_errors():

@@ -11,7 +11,8 @@ reads nothing but its small files and the final model a later stage starts from.
   8.7 MB, 0.2 MB compressed);
 - the final model (summary.json's "checkpoint") of each finished stage a later stage starts from (KEEP_MODELS: the SFT
   policy, M_exp, the DreamGym policies S2R continues), not those of the rows whose evaluation is all that is left,
-  nor a finished stage's initial model;
+  nor a finished stage's initial model, but for M_exp's: the DreamGym rows embed its replay retrieval with that
+  model's backbone (exp_model.json's "encoder_folder");
 - with --unfinished, each unfinished stage's files, its newest committed checkpoint step and its initial model among
   them, so the stage resumes from there; without it an unfinished stage is left out whole and starts again.
 Left out: compilation caches, run locks, W&B folders, the orbax checkpoints of finished stages.
@@ -38,6 +39,7 @@ KEEP_MODELS = ("sft", "exp_model", "exp_model_*", "dreamgym_grpo/seed*", "dreamg
 SKIP_NAMES = {"compile_cache", "wandb", ".lock"}
 COMPRESS_ABOVE = 256 * 1024
 MANIFEST = "MANIFEST.json"
+EXP_MODEL_META = "exp_model.json"  # dreamjax.experience.exp_model.META_FILE, written beside an M_exp's weights
 COMMITTED = "commit_success.txt"  # orbax's marker of a finished step (dreamjax.loop.checkpoint)
 
 
@@ -67,6 +69,14 @@ def _newest_step(checkpoints: Path) -> Path | None:
   return max(steps, key=lambda p: int(p.name)) if steps else None
 
 
+def _models_read(final: Path) -> set[Path]:
+  """The model folders a later stage reads when it starts from `final`: the model itself and, for an M_exp, the one
+  whose backbone embeds its replay retrieval (exp_model.json's "encoder_folder": train-exp's initial model, init/)."""
+  meta = final / EXP_MODEL_META
+  encoder = json.loads(meta.read_text()).get("encoder_folder") if meta.is_file() else None
+  return {final.resolve()} | ({Path(encoder).resolve()} if encoder else set())
+
+
 def plan(run: Path, unfinished: bool) -> list[Path]:
   """The files of `run` a bank holds (see the module docstring)."""
   stages = _stages(run)
@@ -75,10 +85,10 @@ def plan(run: Path, unfinished: bool) -> list[Path]:
   for folder, summary in stages.items():
     name = folder.relative_to(run).as_posix()
     if summary is not None:  # its orbax checkpoints, and every model folder but the final one a later stage reads
-      final = Path(summary["checkpoint"]).resolve() if summary.get("checkpoint") else None
-      keep = final if any(fnmatch.fnmatch(name, p) for p in KEEP_MODELS) else None
+      final = Path(summary["checkpoint"]) if summary.get("checkpoint") else None
+      keep = _models_read(final) if final and any(fnmatch.fnmatch(name, p) for p in KEEP_MODELS) else set()
       dropped.append(folder / "checkpoints")
-      dropped += [m.parent for m in folder.rglob("tokenizer_config.json") if m.parent.resolve() != keep]
+      dropped += [m.parent for m in folder.rglob("tokenizer_config.json") if m.parent.resolve() not in keep]
     elif not unfinished:
       dropped.append(folder)  # its logs would start a rerun from scratch halfway through
     elif (folder / "checkpoints").is_dir():
