@@ -32,6 +32,7 @@ from dreamjax.loop.policy_data import PairConfig, RowConfig
 from dreamjax.rl.critic import CriticConfig
 from dreamjax.rl.optim import OptimConfig
 from dreamjax.rollout.agent import AgentFormat
+from dreamjax.sampling import SpeculativeConfig
 
 HERE = Path(__file__).parent
 TWC = "numLocations=1, numItemsToPutAway=2, includeDoors=0"
@@ -88,8 +89,14 @@ def config() -> ReproduceConfig:
       # greedy and only a malformed answer is drawn again, at temperature 1, up to 8 times: on the held-out
       # transitions 0.901 exact against 0.845 for sampled answers with 2 resamples (the default), at 0.94x its
       # transitions/s (experiments/RESULTS.md, twenty-second stop).
+      # M_exp decodes plainly: its reasoning is not in the prompt, so copy-speculative drafts gave 1.36 tokens a
+      # forward on the policy's episodes, and a 128-row rollout took 132 s with 4 draft tokens against 85 s without
+      # (experiments/bench/multiturn_rollout.py, experiments/RESULTS.md, forty-fifth stop).
+      # A DreamGym iteration takes several times real-env GRPO's, so its rows checkpoint every 2 iterations rather
+      # than 10.
       dreamgym=dataclasses.replace(cfg.dreamgym, reasoning=True, exp_temperature=0.0, exp_retry_temperature=1.0,
-                                   exp_retries=8, rl=dataclasses.replace(real, out_dir=cfg.dreamgym.rl.out_dir)),
+                                   exp_retries=8, exp_speculative=SpeculativeConfig(draft_tokens=0),
+                                   rl=dataclasses.replace(real, out_dir=cfg.dreamgym.rl.out_dir, checkpoint_every=2)),
       ablations=("no_replay", "no_reasoning", "no_task_generation", "no_curriculum"),
       # DreamGym spends as many synthetic transitions as real-env RL spends real ones (about 19 of the 30
       # iterations): the same experience in the same number of updates. Until the forty-second stop it ran all 30.

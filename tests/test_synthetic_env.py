@@ -208,9 +208,8 @@ def test_malformed_outputs_are_retried_then_env_failures(random_env, tok, retrie
   assert (s["exp_retries"], s["exp_failures"]) == (6, 3)
   assert s["generated_tokens"] == sum(r.info["generated_tokens"] for r in again)
   assert s["mean_generated_tokens"] == s["generated_tokens"] / 3
-  # a retry packs the failed rows: programs for the batch's 3 rows, for the first call's 2 failed rows and for the
-  # second call's 1
-  assert s["retrieval_s"] > 0 and s["prompt_s"] > 0 and s["sample_s"] > 0 and s["compilations"] == 3
+  # every call packs its rows: programs for the first step's 2 rows (and their retries) and for the second's 1
+  assert s["retrieval_s"] > 0 and s["prompt_s"] > 0 and s["sample_s"] > 0 and s["compilations"] == 2
 
 
 def test_reproducible_from_the_key_and_rows_independent(random_env, cfg, random_params, tok, retriever, records):
@@ -298,6 +297,23 @@ def test_a_malformed_answer_is_resampled_with_a_fresh_key(cfg, tok, retriever, r
   np.testing.assert_array_equal(retry["keys"][0], jax.random.key_data(jax.random.fold_in(row_key, 1)))
   s = env.stats
   assert (s["parse_failures"], s["exp_retries"], s["exp_failures"], s["steps"]) == (1, 1, 0, 2)
+
+
+def test_a_call_of_few_rows_is_packed(cfg, tok, retriever, records):
+  """A step with one live row of three decodes one row (the decode loop's cost follows the batch's rows), its
+  prompt and its key as in a call of the whole batch."""
+  rows = [records[0], records[1], records[0]]
+  answers = [{r: _target(records, [0, 1, 0][r], 0) for r in range(3)}, {0: _target(records, 1, 1)}]
+  env, sampler = _scripted(cfg, tok, retriever, records, answers)
+  env.reset_batch([r.task for r in rows], exclude_episodes=[r.episode_id for r in rows])
+  env.step_batch([r.steps[0].action for r in rows])
+  result = env.step_batch([None, records[1].steps[1].action, None])[1]
+  assert result.done and result.success and not env_failed(result)
+  first, second = sampler.calls
+  assert first["tokens"].shape[0] == 3 and second["tokens"].shape[0] == 1
+  np.testing.assert_array_equal(second["tokens"][0][second["mask"][0]], env.last_prompts[1])
+  row_key = jax.random.fold_in(jax.random.fold_in(env._batch_key, 1), 1)  # call 1 of the batch, row 1
+  np.testing.assert_array_equal(second["keys"][0], jax.random.key_data(row_key))
 
 
 def test_a_row_that_never_parses_ends_as_an_env_failure(cfg, tok, retriever, records):
@@ -543,21 +559,26 @@ def test_speculative_m_exp_writes_the_same_greedy_answers(trained_env, cfg, trai
 def test_kv_reuse_gives_the_same_answers_and_prefills_less(trained_env, random_env, cfg, trained, random_params, tok,
                                                            retriever, records):
   """KV reuse across steps: the trained M_exp's greedy answers (speculative, as DreamGym runs it) are the plain
-  env's; the random M_exp's sampled malformed answers and their retries too, each retry prefilling only the last
-  token of the prompt its cache holds."""
+  env's, in calls that fill the batch (reusing the caches) and in a packed call of fewer rows (prefilled whole); the
+  random M_exp's sampled malformed answers and their retries too, each retry of the whole batch prefilling only the
+  last token of the prompt its cache holds."""
   fast = _env(cfg, trained, tok, retriever, records, exclude_episodes=_own(records),
               speculative=SpeculativeConfig(draft_tokens=6), kv_reuse=True)
+  rows = [*records, records[0]]
   for env in (trained_env, fast):
     env.reset_stats()
-    env.reset_batch([r.task for r in records])
-  for j in range(2):
-    actions = [r.steps[j].action for r in records]
-    assert fast.step_batch(actions) == trained_env.step_batch(actions)
+    env.reset_batch([r.task for r in rows])
+  for actions in ([r.steps[0].action for r in rows], [r.steps[1].action for r in rows[:3]] + [None]):
+    assert fast.step_batch(actions) == trained_env.step_batch(actions)  # 4 rows, then 3 of 4: the whole batch
   s = fast.stats
   assert s["prompt_tokens"] == trained_env.stats["prompt_tokens"] == trained_env.stats["prefilled_tokens"]
   # the second step reuses each row's system message and task (the retrieved example after them changes)
-  first = sum(len(p) for p in fast.last_prompts)
-  assert s["prefilled_tokens"] < s["prompt_tokens"] - 0.1 * (s["prompt_tokens"] - first)
+  second = sum(len(p) for p in fast.last_prompts if p is not None)
+  assert s["prefilled_tokens"] < s["prompt_tokens"] - 0.1 * second
+  last = [None] * 3 + [rows[3].steps[1].action]
+  assert fast.step_batch(last) == trained_env.step_batch(last)
+  # one row of four: a packed call of one row, its prompt prefilled whole
+  assert fast.stats["prefilled_tokens"] - s["prefilled_tokens"] == len(fast.last_prompts[3])
 
   rows = [records[0], records[1], records[0]]
   actions = [r.steps[0].action for r in rows]

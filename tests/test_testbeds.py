@@ -80,6 +80,7 @@ def test_twc_trains_and_scores_on_disjoint_games_of_one_fold(variant):
   # M_exp answers greedy, a malformed answer resampled; its final held-out check scores that same decoding
   assert (cfg.dreamgym.exp_temperature, cfg.dreamgym.exp_retry_temperature) == (0.0, 1.0)
   assert cfg.exp.eval_retries == cfg.dreamgym.exp_retries == 8
+  assert cfg.dreamgym.exp_speculative.draft_tokens == 0  # drafts cost more than they saved on twc's reasoning
   b = cfg.budgets
   assert (b.dpo, b.real_rl, b.s2r * 16) == (2 * b.sft, 4 * b.sft, b.real_rl)
   assert cfg.real.agent == cfg.sft.agent == cfg.dpo.agent == cfg.dreamgym.rl.agent == cfg.eval.agent
@@ -91,8 +92,11 @@ def test_twc_trains_and_scores_on_disjoint_games_of_one_fold(variant):
     expert_episodes = int(cfg.collect.policies[0].split(":")[1])
     assert b.sft >= expert_episodes * 6  # the gold path takes 5.7 steps on average
     assert cfg.seeds == (0, 1, 2) and cfg.eval.tasks.count == 200 and len(cfg.ablations) == 4
-    # DreamGym trains as real-env RL does; only where its episodes come from differs.
-    assert dataclasses.replace(cfg.dreamgym.rl, out_dir=cfg.real.out_dir) == cfg.real
+    # DreamGym trains as real-env RL does; only where its episodes come from differs, and how often its slower
+    # iterations checkpoint.
+    assert cfg.dreamgym.rl.checkpoint_every == 2 < cfg.real.checkpoint_every
+    assert dataclasses.replace(cfg.dreamgym.rl, out_dir=cfg.real.out_dir, checkpoint_every=cfg.real.checkpoint_every) \
+        == cfg.real
     # Real-env RL runs configs/grpo_real_twc.py's settings (the run that gained), from this config's SFT policy.
     grpo = load_config("configs/grpo_real_twc.py")
     assert dataclasses.replace(cfg.real, out_dir=grpo.out_dir, model=grpo.model, train_tasks=grpo.train_tasks) == grpo

@@ -7,17 +7,20 @@ The rollout engine drives it exactly like a real env: `reset_batch(tasks)` gives
 2. prompts: `render_user` under the system segment, exactly what `build_prompt` (and so `transition_example`, the SFT
    data) builds, with the row's whole history of (state, action) pairs and its step index; the system segment is
    tokenised once per env rather than once per row and step;
-3. one jitted sampler call for the whole batch: the batch size is the number of rows given to `reset_batch`, and the
-   prompt width is padded up to one of `prompt_buckets`, so the sampler compiles once per (rows, bucket). Rows not
-   stepped get a one-token dummy prompt and a budget of 0 tokens. Sampling stops at the chat end-of-turn (or eos);
+3. one jitted sampler call for the stepped rows, packed into the fewest rows, a power of two, that hold them (the
+   decode loop's cost follows the batch's rows, finished or not: on twc's DreamGym rollouts a 128-row forward took
+   75-95 ms and a 16-row one 9), and the prompt width padded up to one of `prompt_buckets`, so the sampler compiles
+   once per (rows, bucket), at most log2(batch) + 1 row counts. Padding rows get a one-token dummy prompt and a
+   budget of 0 tokens. Sampling stops at the chat end-of-turn (or eos);
 4. parsing: the output, decoded without its stop token, goes through `parse_output`, which is total; rows whose
    output did not parse are sampled again (below), in further calls.
 
 Retry, then mask. A malformed output is resampled: the row's answer is drawn again, with a fresh key
 (`fold_in(row key, attempt)`), up to `exp_retries` times in the same `step_batch`. A retry call holds only the failed
-rows, packed into the fewest rows (a power of two) that hold them, with the first call's prompt width: a batch whose
-one malformed row is drawn again decodes one row, not the batch (with KV reuse the rows keep their places and the
-batch's shape). `stats["parse_failures"]` counts every attempt that did not parse and `stats["exp_retries"]` every
+rows, packed as above, with the first call's prompt width: a batch whose one malformed row is drawn again decodes
+one row, not the batch. On twc's DreamGym rollouts (128 rows, reasoning on) a full-width retry of one row cost
+7-14 s, as much as the first call, and retries were 37 of a rollout's 45 M_exp calls (experiments/RESULTS.md,
+forty-fifth stop). `stats["parse_failures"]` counts every attempt that did not parse and `stats["exp_retries"]` every
 resample. A row still malformed after its retries
 ends its episode as an env failure (dreamjax.envs.base.ENV_ERROR, a message starting "experience model:", plus
 `info["exp_error"]`; `stats["exp_failures"]`, and `failures` keeps the prompt's state, the action, the last answer
@@ -74,9 +77,11 @@ sampled ones keep their distribution (dreamjax/sampling/sampler.py). `stats` rep
 
 `kv_reuse` keeps each row's KV cache on device through an episode batch (`dreamjax.sampling.KVReuse`): a step
 prefills only the part of a row's prompt after its longest common prefix with the row's last prompt and answer, with
-the same answers (to float32 rounding). A retry of a malformed answer reuses its whole prompt; a next step reuses the
-system message, the task and the tutorial, since the retrieved examples that follow them change every step
-(dreamjax/experience/format.py). `stats` counts prompt_tokens and prefilled_tokens. The caches are freed when every
+the same answers (to float32 rounding). A next step reuses the system message, the task and the tutorial, since the
+retrieved examples that follow them change every step (dreamjax/experience/format.py); a retry reuses its whole
+prompt. A row's cache lives in its batch row, so only a call whose packed rows fill the batch uses the caches; a
+call of fewer rows prefills its prompts whole, outside them (a cache not used keeps what it held, so later calls
+still reuse it): prefill is a small share of a call, decoding at the batch's full width is not. `stats` counts prompt_tokens and prefilled_tokens. The caches are freed when every
 row of the batch is done (or at the next `reset_batch`), so they do not outlive the rollout into the policy's update.
 
 `info` of a stepped row: reasoning, output (the decoded text of the last attempt), generated_tokens (over all
@@ -352,12 +357,12 @@ class SyntheticEnv:
           break
         stats["exp_retries"] += len(pending) if attempt else 0
         t0 = time.perf_counter()
-        # The first call has all n rows. A retry packs the rows still pending into the fewest rows, a power of two,
-        # that hold them (slot j holds row order[j]), so resampling 2 rows of 64 decodes 2 rows, not 64, at the cost
-        # of at most log2(n) more programs. With KV reuse every call keeps the n rows in place: a row's cache lives
-        # in its batch row. Rows not sampled get a dummy prompt and no budget.
-        full = attempt == 0 or self._reuse is not None
-        rows = n if full else min(n, 1 << (len(pending) - 1).bit_length())
+        # The rows pending, packed into the fewest rows, a power of two, that hold them (slot j holds row order[j]):
+        # 2 rows of 64 decode as 2 rows, not 64, at the cost of at most log2(n) more programs. A call that spans the
+        # batch keeps every row in place, where its KV cache lives (module docstring); a packed one prefills whole.
+        # Rows not sampled get a dummy prompt and no budget.
+        rows = min(n, 1 << (len(pending) - 1).bit_length())
+        full = rows == n
         order = list(range(n)) if full else sorted(pending)
         slot = {i: j for j, i in enumerate(order)}
         tokens, mask = left_pad({slot[i]: p for i, p in pending.items()}, rows, width, self.tokenizer.pad_id)
@@ -365,17 +370,18 @@ class SyntheticEnv:
         budget[[slot[i] for i in pending]] = self.max_new_tokens
         sp = (self._sp if full else jax.tree.map(lambda x, r=rows: x[:r], self._sp)).replace(
             max_new_tokens=jnp.asarray(budget))
-        row_keys = keys
         if attempt:  # temperature is a traced per-row array: another one compiles nothing new
           sp = sp.replace(temperature=jnp.full_like(sp.temperature, self.retry_temperature))
-          row_keys = _RETRY_KEYS(keys, attempt)[np.asarray(order + [order[0]] * (rows - len(order)))]
+        row_keys = (_RETRY_KEYS(keys, attempt) if attempt else keys)[
+            np.asarray(order + [order[0]] * (rows - len(order)))]
         # to_host: with several processes the rows are sharded over all of them, and every process needs every row
-        before = self._reuse.prefilled if self._reuse is not None else 0
-        reuse = {"reuse": self._reuse} if self._reuse is not None else {}
-        out = to_host(self.sampler(self.params, tokens, mask, row_keys, sp, **reuse))
+        reuse = self._reuse if full else None
+        before = reuse.prefilled if reuse is not None else 0
+        out = to_host(self.sampler(self.params, tokens, mask, row_keys, sp,
+                                   **({"reuse": reuse} if reuse is not None else {})))
         prompt_tokens = sum(len(p) for p in pending.values())
         stats["prompt_tokens"] += prompt_tokens
-        stats["prefilled_tokens"] += self._reuse.prefilled - before if self._reuse is not None else prompt_tokens
+        stats["prefilled_tokens"] += reuse.prefilled - before if reuse is not None else prompt_tokens
         t1 = time.perf_counter()
         stats["sample_s"] += t1 - t0
         count_speculation(stats, out, [slot[i] for i in pending])

@@ -8,7 +8,7 @@ or name the parts: `--config configs/demo.py --policy <SFT checkpoint> --exp-mod
 The workload is a DreamGym rollout as `dreamjax dreamgym` runs it: `--tasks` tasks of the offline data x `--group`
 rollouts, up to `--turns` turns, the trained policy (the run's SFT checkpoint, its agent format and rollout settings)
 and the trained M_exp (its format, retrieval over the offline transitions, the DreamGym section's temperature,
-buckets and speculative setting) alternating: one `RolloutEngine.run` against a `SyntheticEnv`. Every setting runs the
+buckets, speculative setting (or `--draft-tokens`) and retries) alternating: one `RolloutEngine.run` against a `SyntheticEnv`. Every setting runs the
 same rollout twice with the same key: the first compiles, the second is timed. Settings (`--settings`):
 - `off`: full prefill every turn, as before issue 17;
 - `group`: `RolloutConfig.group_prefill` (a GRPO group's identical prompts prefilled once);
@@ -65,7 +65,12 @@ class TimedSampler:
     seconds = time.perf_counter() - t0
     live = np.asarray(sp.max_new_tokens) > 0
     prompt = int(np.asarray(mask)[live].sum())
-    self.calls.append(dict(seconds=seconds, prompt=prompt,
+    lengths = np.asarray(out.lengths)[live]
+    forwards = lengths if out.forwards is None else np.asarray(out.forwards)[live]
+    # rows: the call's batch; live: rows with a budget; longest: the most forward passes a live row took, which
+    # bounds the decode loop's iterations (it runs until every row is done).
+    self.calls.append(dict(seconds=seconds, prompt=prompt, rows=int(live.size), live=int(live.sum()),
+                           longest=int(forwards.max(initial=0)), tokens=int(lengths.sum()),
                            prefilled=reuse.prefilled - before if reuse is not None else prompt))
     return out
 
@@ -118,8 +123,10 @@ def run_setting(name, args, cfg, policy, exp, records) -> dict:
   env = SyntheticEnv(exp_cfg, exp_params, exp_tok, fmt, retriever if fmt.retrieval else None,
                      initial_states=initial_states_from(records), max_new_tokens=max_new,
                      temperature=dg.exp_temperature, prompt_buckets=buckets, key=jax.random.key(args.seed),
-                     max_steps=args.turns, exp_retries=dg.exp_retries, speculative=dg.exp_speculative,
-                     kv_reuse=kv_reuse)
+                     max_steps=args.turns, exp_retries=dg.exp_retries,
+                     retry_temperature=dg.exp_retry_temperature, kv_reuse=kv_reuse,
+                     speculative=dg.exp_speculative if args.draft_tokens < 0 else
+                     dataclasses.replace(dg.exp_speculative, draft_tokens=args.draft_tokens))
   env.sampler = TimedSampler(env.sampler)
   marked = TurnMarkingEnv(env, env.sampler)
   starts = [r for r in records if r.steps]
@@ -142,7 +149,8 @@ def run_setting(name, args, cfg, policy, exp, records) -> dict:
       turns.append(dict(turn=t, live=int(np.sum(traj.num_turns > t)), policy_s=call["seconds"],
                         policy_prompt=call["prompt"], policy_prefilled=call["prefilled"],
                         exp_s=sum(c["seconds"] for c in exp_calls), exp_prompt=sum(c["prompt"] for c in exp_calls),
-                        exp_prefilled=sum(c["prefilled"] for c in exp_calls), exp_calls=len(exp_calls)))
+                        exp_prefilled=sum(c["prefilled"] for c in exp_calls), exp_calls=len(exp_calls),
+                        exp_call_log=exp_calls))
     result = dict(setting=name, total_s=total, turns=turns, tokens=traj.tokens, success=float(np.mean(traj.success)),
                   rows=int(traj.num_rows), compilations=engine.sampler.compilations() + env.sampler.compilations(),
                   exp_steps=int(env.stats["steps"]))
@@ -173,6 +181,15 @@ def tables(results: list[dict]) -> str:
     lines.append(f"| {r['setting']} | {r['total_s']:.1f} | {base['total_s'] / r['total_s']:.2f}x | {pol:.1f} | "
                  f"{ex:.1f} | {r['exp_steps'] / max(ex, 1e-9):.1f} | {pre} / {prompt} ({pre / max(prompt, 1):.0%}) | {r['rows']} | {r['exp_steps']} | "
                  f"{r['compilations']} | {'yes' if same else 'NO'} |")
+  # Each M_exp sampler call: a turn's first call answers every live row, the rest draw malformed answers again.
+  for r in results:
+    lines += ["", f"M_exp sampler calls, {r['setting']}:", "",
+              "| turn | call | batch rows | rows sampled | longest (forwards) | tokens | s | ms per forward |",
+              "|---|---|---|---|---|---|---|---|"]
+    for x in r["turns"]:
+      for j, c in enumerate(x["exp_call_log"]):
+        lines.append(f"| {x['turn']} | {j} | {c['rows']} | {c['live']} | {c['longest']} | {c['tokens']} | "
+                     f"{c['seconds']:.2f} | {1e3 * c['seconds'] / max(c['longest'], 1):.1f} |")
   return "\n".join(lines)
 
 
@@ -187,6 +204,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--group", type=int, default=4)
   parser.add_argument("--turns", type=int, default=8)
   parser.add_argument("--settings", default="off,group,reuse,both")
+  parser.add_argument("--draft-tokens", type=int, default=-1,
+                      help="M_exp's copy-speculative draft tokens (0: plain decoding; default: the config's)")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default=str(ROOT / "runs" / "bench" / "multiturn_rollout"))
   return parser.parse_args(argv)
