@@ -19,7 +19,7 @@ Retry, then mask. A malformed output is resampled: the row's answer is drawn aga
 (`fold_in(row key, attempt)`), up to `exp_retries` times in the same `step_batch`. A retry call holds only the failed
 rows, packed as above, with the first call's prompt width: a batch whose one malformed row is drawn again decodes
 one row, not the batch. On twc's DreamGym rollouts (128 rows, reasoning on) a full-width retry of one row cost
-7-14 s, as much as the first call, and retries were 37 of a rollout's 45 M_exp calls (experiments/RESULTS.md,
+6.7-9.1 s, as much as the first call, and retries were 37 of a rollout's 45 M_exp calls (experiments/RESULTS.md,
 forty-fifth stop). `stats["parse_failures"]` counts every attempt that did not parse and `stats["exp_retries"]` every
 resample. A row still malformed after its retries
 ends its episode as an env failure (dreamjax.envs.base.ENV_ERROR, a message starting "experience model:", plus
