@@ -409,16 +409,19 @@ def open_loop(predictor: Predictor, records: Sequence[TrajectoryRecord], annotat
 
 def synthetic_episodes(items: Iterable[Transition]) -> list[list[Transition]]:
   """The synthetic transitions among `items` (a DreamGym replay buffer's write-back) grouped into their episodes, in
-  step order. Write-back keeps every step M_exp answered, so an episode's steps are 0..n-1: anything else is an error
-  naming the episode. An episode's last step is missing only where M_exp failed on it (an env failure)."""
+  step order. Write-back keeps every step M_exp answered under its turn index, so an episode's steps are distinct: a
+  step twice is an error naming the episode. Steps may skip a turn: one whose answer did not parse never reached
+  M_exp (twc seed 0's DreamGym GRPO had 2 such episodes of 3,117, after M_exp listed "(no change)" as an action),
+  and replaying the rest in order steps the real env as the rollout stepped M_exp. An episode's last step is missing
+  only where M_exp failed on it (an env failure)."""
   episodes: dict[str, list[Transition]] = {}
   for t in items:
     if t.origin == "synthetic":
       episodes.setdefault(t.episode_id, []).append(t)
   for eid, steps in episodes.items():
     steps.sort(key=lambda t: t.step)
-    if [t.step for t in steps] != list(range(len(steps))):
-      raise ValueError(f"synthetic episode {eid!r}: steps {[t.step for t in steps]} are not 0..{len(steps) - 1}")
+    if len({t.step for t in steps}) != len(steps):
+      raise ValueError(f"synthetic episode {eid!r}: steps {[t.step for t in steps]} repeat a step")
   return list(episodes.values())
 
 
