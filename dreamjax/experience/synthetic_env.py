@@ -81,8 +81,9 @@ the same answers (to float32 rounding). A next step reuses the system message, t
 retrieved examples that follow them change every step (dreamjax/experience/format.py); a retry reuses its whole
 prompt. A row's cache lives in its batch row, so only a call whose packed rows fill the batch uses the caches; a
 call of fewer rows prefills its prompts whole, outside them (a cache not used keeps what it held, so later calls
-still reuse it): prefill is a small share of a call, decoding at the batch's full width is not. `stats` counts prompt_tokens and prefilled_tokens. The caches are freed when every
-row of the batch is done (or at the next `reset_batch`), so they do not outlive the rollout into the policy's update.
+still reuse it): prefill is a small share of a call, decoding at the batch's full width is not. `stats` counts
+prompt_tokens and prefilled_tokens. The caches are freed when every row of the batch is done (or at the next
+`reset_batch`), so they do not outlive the rollout into the policy's update.
 
 `info` of a stepped row: reasoning, output (the decoded text of the last attempt), generated_tokens (over all
 attempts), stopped (the last attempt ended by the stop token rather than the budget), exp_attempts (answers sampled:

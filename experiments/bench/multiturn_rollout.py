@@ -8,8 +8,9 @@ or name the parts: `--config configs/demo.py --policy <SFT checkpoint> --exp-mod
 The workload is a DreamGym rollout as `dreamjax dreamgym` runs it: `--tasks` tasks of the offline data x `--group`
 rollouts, up to `--turns` turns, the trained policy (the run's SFT checkpoint, its agent format and rollout settings)
 and the trained M_exp (its format, retrieval over the offline transitions, the DreamGym section's temperature,
-buckets, speculative setting (or `--draft-tokens`) and retries) alternating: one `RolloutEngine.run` against a `SyntheticEnv`. Every setting runs the
-same rollout twice with the same key: the first compiles, the second is timed. Settings (`--settings`):
+buckets, speculative setting (or `--draft-tokens`) and retries) alternating: one `RolloutEngine.run` against a
+`SyntheticEnv`. Every setting runs the same rollout twice with the same key: the first compiles, the second is
+timed. Settings (`--settings`):
 - `off`: full prefill every turn, as before issue 17;
 - `group`: `RolloutConfig.group_prefill` (a GRPO group's identical prompts prefilled once);
 - `reuse`: KV reuse across turns for both models (`RolloutConfig.kv_reuse`, `DreamGymConfig.exp_kv_reuse`);
