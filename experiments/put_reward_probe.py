@@ -52,13 +52,19 @@ def put_item(state: str, action: str) -> str | None:
   return max(items, key=len) if items else None
 
 
+def step(env: Env, task: Task, action: str) -> Any:
+  """The real env's StepResult of `action`; an env failure is an error naming the task."""
+  r = env.step(action)
+  if env_failed(r):
+    raise RuntimeError(f"put_reward_probe: the real env failed on {task.task_id}: {r.info[ENV_ERROR]}")
+  return r
+
+
 def replay_prefix(env: Env, task: Task, actions: Sequence[str]) -> tuple[Any, list[tuple[str, str]]]:
   """The real observation after `actions` from the task's reset, and the (state, action) history that led there."""
   obs, history = env.reset(task), []
   for a in actions:
-    r = env.step(a)
-    if env_failed(r):
-      raise RuntimeError(f"put_reward_probe: the real env failed on {task.task_id}: {r.info[ENV_ERROR]}")
+    r = step(env, task, a)
     history.append((obs.state, a))
     obs = r.observation
   return obs, history
@@ -75,9 +81,7 @@ def alternatives(env: Env, source: str, episode_id: str, task: Task, instruction
   rows = []
   for a in [a for a in obs.admissible if a.startswith(f"put {item} ")]:
     before, _ = replay_prefix(env, task, actions[:-1])  # the env is deterministic: the same state every time
-    r = env.step(a)
-    if env_failed(r):
-      raise RuntimeError(f"put_reward_probe: the real env failed on {task.task_id}: {r.info[ENV_ERROR]}")
+    r = step(env, task, a)
     t = Transition(episode_id, len(history), task, instruction, before.state, a, r.observation.state, r.reward,
                    r.done, r.success, r.invalid, history=tuple(history))
     rows.append({"source": source, "episode_id": episode_id, "transition": t, "original": a == actions[-1],
