@@ -16,6 +16,7 @@ Each put is asked twice, with two retrievers:
 - "served": the run's final replay buffer (the offline data plus the write-back of M_exp's own answers), without
   the episode itself. This is what the DreamGym run retrieved from by its end. Each row records whether the shown
   neighbour was synthetic and whether it came from the same task.
+An M_exp trained without retrieval (the w/o-replay ablation) is asked once, with retriever "none".
 
 Run: python experiments/put_reward_probe.py --run runs/reproduce/twc/dreamgym_grpo/seed0 --out runs/put_probe/twc
 Writes table.md, results.json and rows.jsonl (every put asked, with M_exp's answer) to --out, and prints the table.
@@ -169,8 +170,6 @@ def probe(run: Path, episodes: int, seed: int, batch_size: int) -> tuple[dict[st
   meta = json.loads((checkpoint / META_FILE).read_text())
   exp_cfg = json.loads((checkpoint.parent / "config.json").read_text())
   fmt = exp_format(meta)
-  if not (fmt.retrieval and fmt.k):
-    raise ValueError(f"{checkpoint}: M_exp retrieves nothing, so there is no retriever to compare")
   env = make_env(cfg["rl"]["env"], **parse_env_kwargs(cfg["rl"]["env_kwargs"]))
   rng = random.Random(seed)
   try:
@@ -188,17 +187,20 @@ def probe(run: Path, episodes: int, seed: int, batch_size: int) -> tuple[dict[st
   builder = ExampleBuilder(tokenizer, fmt, meta["max_len"])
   predictor = Predictor(model_cfg, params, tokenizer, builder, cfg["exp_max_new_tokens"] or meta["max_new_tokens"],
                         batch_size)
-  records = read_trajectory_files(exp_cfg["trajectories"], "trajectories", exp_cfg["max_episodes"])
-  trained = exp_retriever(meta["retrieval_encoder"], meta["encoder_folder"])
-  trained.add(list(transitions(split_by_task(records, exp_cfg["held_out_fraction"], exp_cfg["seed"])[0],
-                               max_history=0)))
-  served = exp_retriever(meta["retrieval_encoder"], meta["encoder_folder"])
-  with ReplayBuffer(run / "replay", read_only=True) as buffer:
-    served.add(list(buffer.iter_from(0)))
   ts = [r["transition"] for r in rows]
   states, actions = [t.state for t in ts], [t.action for t in ts]
-  found = {"trained": retrieve(trained, fmt, states, actions, exclude_tasks=[t.task.task_id for t in ts]),
-           "served": retrieve(served, fmt, states, actions, exclude_episodes=[r["episode_id"] for r in rows])}
+  if fmt.retrieval and fmt.k:
+    records = read_trajectory_files(exp_cfg["trajectories"], "trajectories", exp_cfg["max_episodes"])
+    trained = exp_retriever(meta["retrieval_encoder"], meta["encoder_folder"])
+    trained.add(list(transitions(split_by_task(records, exp_cfg["held_out_fraction"], exp_cfg["seed"])[0],
+                                 max_history=0)))
+    served = exp_retriever(meta["retrieval_encoder"], meta["encoder_folder"])
+    with ReplayBuffer(run / "replay", read_only=True) as buffer:
+      served.add(list(buffer.iter_from(0)))
+    found = {"trained": retrieve(trained, fmt, states, actions, exclude_tasks=[t.task.task_id for t in ts]),
+             "served": retrieve(served, fmt, states, actions, exclude_episodes=[r["episode_id"] for r in rows])}
+  else:  # the w/o-replay ablation's M_exp: each put is asked once, with no neighbour
+    found = {"none": retrieve(None, fmt, states, actions)}
   out_rows, results = [], {}
   for name, neighbours in found.items():
     asked = []
