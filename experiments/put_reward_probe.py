@@ -18,6 +18,9 @@ Each put is asked twice, with two retrievers:
   neighbour was synthetic and whether it came from the same task.
 An M_exp trained without retrieval (the w/o-replay ablation) is asked once, with retriever "none".
 
+The table also counts the final puts in the non-expert episodes M_exp trained on (`final_puts`): the unrewarded ones
+are all M_exp learns a wrong put from.
+
 Run: python experiments/put_reward_probe.py --run runs/reproduce/twc/dreamgym_grpo/seed0 --out runs/put_probe/twc
 Writes table.md, results.json and rows.jsonl (every put asked, with M_exp's answer) to --out, and prints the table.
 """
@@ -32,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dreamjax.data.records import Transition, read_trajectory_files, transitions
+from dreamjax.data.records import TrajectoryRecord, Transition, read_trajectory_files, transitions
 from dreamjax.envs import make_env
 from dreamjax.envs.base import ENV_ERROR, Env, Task, env_failed
 from dreamjax.envs.registry import parse_env_kwargs
@@ -118,6 +121,44 @@ def expert_episodes(exp_cfg: dict[str, Any]) -> dict[str, list[tuple[str, Task, 
   return {SOURCES[2]: pick(held), SOURCES[3]: pick(train)}
 
 
+FINAL_PUTS = ("rewarded", "unrewarded, earlier items where the expert put them", "unrewarded, an earlier item elsewhere")
+
+
+def put_place(state: str, action: str) -> tuple[str, str] | None:
+  """(item, place) of a put, or None when `action` puts no inventory item."""
+  item = put_item(state, action)
+  return None if item is None else (item, action[len(f"put {item} "):].split(" ", 1)[-1])
+
+
+def final_puts(records: Sequence[TrajectoryRecord]) -> dict[str, int]:
+  """What M_exp could learn about a final put from its data: the collection's final puts (a valid put that empties
+  the inventory once every item the task's expert put away was taken) of the non-expert episodes, by outcome.
+  Unrewarded ones are split by whether the earlier items were where the task's expert put them; a task without an
+  expert success is left out, since nothing says where its items go."""
+  right = {r.task.task_id: dict(filter(None, (put_place(s.state, s.action) for s in r.steps)))
+           for r in records if r.policy == "expert" and r.success}
+  counts = dict.fromkeys(FINAL_PUTS, 0)
+  for r in records:
+    places = right.get(r.task.task_id)
+    if r.policy == "expert" or not places:
+      continue
+    taken, placed = set(), {}
+    for s in r.steps:
+      if s.invalid:
+        continue
+      if s.action.startswith("take ") and s.action[5:] in places:
+        taken.add(s.action[5:])
+        placed.pop(s.action[5:], None)
+      put = put_place(s.state, s.action)
+      if put is None:
+        continue
+      if taken == set(places) and "Inventory: nothing" in s.next_state:
+        earlier_right = all(placed.get(i) == places[i] for i in places if i != put[0])
+        counts[FINAL_PUTS[0] if s.reward > 0 else FINAL_PUTS[1] if earlier_right else FINAL_PUTS[2]] += 1
+      placed[put[0]] = put[1]
+  return counts
+
+
 def rate(rows: Sequence[dict[str, Any]], key: str = "m_exp_paid") -> float | None:
   return sum(bool(r[key]) for r in rows) / len(rows) if rows else None
 
@@ -151,7 +192,7 @@ COLUMNS = [("episodes", "episodes"), ("episodes_with_a_rewarded_put", "with a re
            ("neighbour_synthetic", "neighbour synthetic"), ("neighbour_same_task", "neighbour same task")]
 
 
-def table(results: dict[str, dict[str, Any]], run: Path) -> str:
+def table(results: dict[str, dict[str, Any]], collection: dict[str, int], run: Path) -> str:
   def cell(v: Any) -> str:
     return "n/a" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
@@ -161,10 +202,14 @@ def table(results: dict[str, dict[str, Any]], run: Path) -> str:
   for name, r in results.items():
     source, retriever = name.split(" / ")
     lines.append(f"| {source} | {retriever} | " + " | ".join(cell(r[k]) for k, _ in COLUMNS) + " |")
+  lines += ["", "Final puts of the non-expert episodes M_exp trained on:", "", "| outcome | puts |", "|---|---|"]
+  lines += [f"| {k} | {n} |" for k, n in collection.items()]
   return "\n".join(lines)
 
 
-def probe(run: Path, episodes: int, seed: int, batch_size: int) -> tuple[dict[str, dict[str, Any]], list[dict]]:
+def probe(run: Path, episodes: int, seed: int, batch_size: int
+          ) -> tuple[dict[str, dict[str, Any]], list[dict], dict[str, int]]:
+  """(pay rates by source and retriever, every put asked, `final_puts` of M_exp's training side)."""
   cfg = json.loads((run / "config.json").read_text())
   checkpoint = Path(cfg["exp_model"])
   meta = json.loads((checkpoint / META_FILE).read_text())
@@ -189,11 +234,11 @@ def probe(run: Path, episodes: int, seed: int, batch_size: int) -> tuple[dict[st
                         batch_size)
   ts = [r["transition"] for r in rows]
   states, actions = [t.state for t in ts], [t.action for t in ts]
+  records = read_trajectory_files(exp_cfg["trajectories"], "trajectories", exp_cfg["max_episodes"])
+  train_side = split_by_task(records, exp_cfg["held_out_fraction"], exp_cfg["seed"])[0]
   if fmt.retrieval and fmt.k:
-    records = read_trajectory_files(exp_cfg["trajectories"], "trajectories", exp_cfg["max_episodes"])
     trained = exp_retriever(meta["retrieval_encoder"], meta["encoder_folder"])
-    trained.add(list(transitions(split_by_task(records, exp_cfg["held_out_fraction"], exp_cfg["seed"])[0],
-                                 max_history=0)))
+    trained.add(list(transitions(train_side, max_history=0)))
     served = exp_retriever(meta["retrieval_encoder"], meta["encoder_folder"])
     with ReplayBuffer(run / "replay", read_only=True) as buffer:
       served.add(list(buffer.iter_from(0)))
@@ -231,7 +276,7 @@ def probe(run: Path, episodes: int, seed: int, batch_size: int) -> tuple[dict[st
       cell = [r for r in out_rows if r["source"] == source and r["retriever"] == name]
       if cell:
         results[f"{source} / {name}"] = summarize(cell)
-  return results, out_rows
+  return results, out_rows, final_puts(train_side)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,15 +289,15 @@ def main(argv: list[str] | None = None) -> int:
   args = p.parse_args(argv)
   run = Path(args.run)
   try:
-    results, rows = probe(run, args.episodes, args.seed, args.batch_size)
+    results, rows, collection = probe(run, args.episodes, args.seed, args.batch_size)
   except (ValueError, FileNotFoundError) as e:
     print(f"put_reward_probe: {e}", file=sys.stderr)
     return 2
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  text = table(results, run)
+  text = table(results, collection, run)
   (out / "table.md").write_text(text + "\n")
-  (out / "results.json").write_text(json.dumps(results, indent=2))
+  (out / "results.json").write_text(json.dumps(results | {"collection final puts": collection}, indent=2))
   with open(out / "rows.jsonl", "w", encoding="utf-8") as f:
     f.writelines(json.dumps(r) + "\n" for r in rows)
   print(text)

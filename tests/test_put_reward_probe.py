@@ -3,8 +3,10 @@ moves, the alternative puts replayed in a real twc game, and the pay rates."""
 
 import pytest
 
+from dreamjax.data.records import StepRecord, TrajectoryRecord
+from dreamjax.envs.base import Task
 from dreamjax.envs.textworld_express import TextWorldExpressEnv, tasks
-from experiments.put_reward_probe import alternatives, put_item, summarize
+from experiments.put_reward_probe import FINAL_PUTS, alternatives, final_puts, put_item, put_place, summarize
 
 STATE = "Location: pantry\nYou see: shelf (empty)\nExits: none\nInventory: flour, yellow onion, onion"
 
@@ -60,3 +62,34 @@ def test_summarize_counts_pay_rates_by_what_the_game_rewarded():
   assert s["original_real_rewarded"] == 0.5 and s["original_paid"] == 1.0
   assert s["episodes_paid_exactly_the_rewarded"] == 0 and s["malformed"] == 1
   assert s["neighbour_same_task"] == 0.4
+
+
+def _episode(task, policy, actions, reward=0.0):
+  """A twc-like record of `actions` in a room with a shelf and a bin: each take moves the item to the inventory, each
+  put empties it of that item; only the last step pays `reward`."""
+  steps, inventory = [], []
+  for i, a in enumerate(actions):
+    state = f"Location: pantry\nInventory: {', '.join(inventory) or 'nothing'}"
+    if a.startswith("take "):
+      inventory.append(a[5:])
+    elif (put := put_place(state, a)) is not None:
+      inventory.remove(put[0])
+    last = i == len(actions) - 1
+    steps.append(StepRecord(state, a, f"Location: pantry\nInventory: {', '.join(inventory) or 'nothing'}",
+                            reward if last else 0.0, last, last and reward > 0, False, (), policy))
+  return TrajectoryRecord(f"{policy}/{task}", "textworld_express", Task.make("textworld_express", task), "", policy,
+                          0, tuple(steps), reward > 0, len(steps), None)
+
+
+def test_final_puts_split_the_unrewarded_by_where_the_earlier_items_went():
+  gold = ["take flour", "take onion", "put flour in shelf", "put onion in bin"]
+  records = [_episode("t0", "expert", gold, 1.0), _episode("t1", "expert", gold, 1.0),
+             _episode("t0", "random", gold, 1.0),  # rewarded
+             _episode("t0", "random", gold[:3] + ["put onion in shelf"]),  # flour right, onion wrong
+             _episode("t1", "eps0.3", ["take flour", "take onion", "put flour in bin", "put onion in bin"]),
+             _episode("t1", "random", ["take flour", "put flour in bin", "take onion", "put onion in bin"]),
+             _episode("t0", "random", ["take flour", "put flour in shelf"]),  # the onion never taken: not final
+             _episode("t2", "random", gold[:3] + ["put onion in shelf"])]  # no expert success says where items go
+  assert put_place("Inventory: flour", "put flour in shelf") == ("flour", "shelf")
+  assert put_place("Inventory: flour", "take flour") is None
+  assert final_puts(records) == dict(zip(FINAL_PUTS, (1, 1, 2)))
