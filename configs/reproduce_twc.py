@@ -98,8 +98,8 @@ def config() -> ReproduceConfig:
                                    exp_retries=8, exp_speculative=SpeculativeConfig(draft_tokens=0),
                                    rl=dataclasses.replace(real, out_dir=cfg.dreamgym.rl.out_dir, checkpoint_every=2)),
       # w/o task generation last: on twc it can hardly differ from the full row. Every twc task has the same
-      # instruction (the items to put away are in the state), and in the first three DreamGym rows M_task wrote
-      # no parseable variant (0 of 72 candidates; experiments/RESULTS.md, forty-seventh stop).
+      # instruction (the items to put away are in the state), and in the first four DreamGym rows M_task wrote
+      # no parseable variant (0 of 94 candidates; experiments/RESULTS.md, forty-seventh stop).
       ablations=("no_replay", "no_reasoning", "no_curriculum", "no_task_generation"),
       # DreamGym spends as many synthetic transitions as real-env RL spends real ones (about 19 of the 30
       # iterations): the same experience in the same number of updates. Until the forty-second stop it ran all 30.

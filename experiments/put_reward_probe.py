@@ -110,10 +110,9 @@ def policy_episodes(run: Path, env: Env) -> dict[str, list[tuple[str, Task, str,
   return out
 
 
-def expert_episodes(exp_cfg: dict[str, Any]) -> dict[str, list[tuple[str, Task, str, list[str]]]]:
+def expert_episodes(train: Sequence[TrajectoryRecord], held: Sequence[TrajectoryRecord]
+                    ) -> dict[str, list[tuple[str, Task, str, list[str]]]]:
   """The expert's successes in M_exp's collection, on its held-out and on its training tasks (its own split)."""
-  records = read_trajectory_files(exp_cfg["trajectories"], "trajectories", exp_cfg["max_episodes"])
-  train, held = split_by_task(records, exp_cfg["held_out_fraction"], exp_cfg["seed"])
 
   def pick(side):
     return [(r.episode_id, r.task, r.instruction, [s.action for s in r.steps]) for r in side
@@ -215,10 +214,12 @@ def probe(run: Path, episodes: int, seed: int, batch_size: int
   meta = json.loads((checkpoint / META_FILE).read_text())
   exp_cfg = json.loads((checkpoint.parent / "config.json").read_text())
   fmt = exp_format(meta)
+  records = read_trajectory_files(exp_cfg["trajectories"], "trajectories", exp_cfg["max_episodes"])
+  train_side, held_side = split_by_task(records, exp_cfg["held_out_fraction"], exp_cfg["seed"])
   env = make_env(cfg["rl"]["env"], **parse_env_kwargs(cfg["rl"]["env_kwargs"]))
   rng = random.Random(seed)
   try:
-    chosen = policy_episodes(run, env) | expert_episodes(exp_cfg)
+    chosen = policy_episodes(run, env) | expert_episodes(train_side, held_side)
     rows = []
     for source in SOURCES:
       pool = chosen[source]
@@ -234,8 +235,6 @@ def probe(run: Path, episodes: int, seed: int, batch_size: int
                         batch_size)
   ts = [r["transition"] for r in rows]
   states, actions = [t.state for t in ts], [t.action for t in ts]
-  records = read_trajectory_files(exp_cfg["trajectories"], "trajectories", exp_cfg["max_episodes"])
-  train_side = split_by_task(records, exp_cfg["held_out_fraction"], exp_cfg["seed"])[0]
   if fmt.retrieval and fmt.k:
     trained = exp_retriever(meta["retrieval_encoder"], meta["encoder_folder"])
     trained.add(list(transitions(train_side, max_history=0)))
